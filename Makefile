@@ -1,0 +1,38 @@
+# Task runner. The README's two commands are `make quickstart` and `make test`; each sets up what it
+# needs (scripts/setup.sh), builds, then runs.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+PY := .venv/bin/python
+TORCH_PREFIX = $(shell $(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+
+.PHONY: setup setup-test configure build quickstart test bench clean
+
+setup:
+	scripts/setup.sh
+
+setup-test:
+	scripts/setup.sh --test
+
+$(BUILD)/build.ninja:
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$(TORCH_PREFIX)" \
+	  -DKVBOUND_PYTHON=$(CURDIR)/$(PY)
+
+configure: $(BUILD)/build.ninja
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+quickstart: setup
+	$(MAKE) build
+	scripts/quickstart.sh $(BUILD)
+
+test: setup-test
+	$(MAKE) build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+bench: setup-test
+	$(MAKE) build
+	scripts/bench.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

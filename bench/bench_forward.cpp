@@ -1,0 +1,57 @@
+// Forward throughput of the C++ backbone: one prompt of T tokens through the full model (prefill),
+// repeated; prints tokens/s and the peak RSS right after loading, as one JSON line.
+#include <ATen/Parallel.h>
+#include <ATen/ops/randint.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "modules/backbone.h"
+
+namespace {
+
+// Peak resident set size so far (VmHWM), in bytes.
+long peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6)) * 1024;
+  return -1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: bench_forward MODEL [T=512] [threads=2] [repeats=5]\n";
+    return 2;
+  }
+  const std::string model_path = argv[1];
+  const long T = argc > 2 ? std::stol(argv[2]) : 512;
+  const int threads = argc > 3 ? std::stoi(argv[3]) : 2;
+  const int repeats = argc > 4 ? std::stoi(argv[4]) : 5;
+  at::set_num_threads(threads);
+  const auto model = kvbound::Backbone::load(model_path, at::kFloat);
+  const long rss_after_load = peak_rss_bytes();
+  at::manual_seed(0);
+  const at::Tensor tokens = at::randint(3, model->config().vocab_size, {1, T}, at::TensorOptions().dtype(at::kLong));
+  {
+    kvbound::KVCache warm = model->make_cache();
+    model->forward(tokens, warm);
+  }
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) {
+    kvbound::KVCache cache = model->make_cache();
+    const auto t0 = std::chrono::steady_clock::now();
+    model->forward(tokens, cache);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::printf(
+      "{\"impl\": \"kvbound\", \"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, "
+      "\"peak_rss_after_load_bytes\": %ld, \"fp32_weight_bytes\": %ld}\n",
+      T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
+  return 0;
+}

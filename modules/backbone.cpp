@@ -1,0 +1,228 @@
+#include "modules/backbone.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/tril.h>
+#include <ATen/ops/where.h>
+
+#include <cmath>
+#include <set>
+
+#include "checkpoints/errors.h"
+#include "checkpoints/model_loader.h"
+#include "ops/rms_norm.h"
+
+namespace kvbound {
+
+at::Tensor rope_inverse_frequencies(const ModelConfig& c) {
+  // Same float32 arithmetic as transformers' default RoPE init, so positions far out agree to 1e-6.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor exponent = at::arange(0, c.head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
+                        static_cast<double>(c.head_dim);
+  at::Tensor inv_freq = 1.0 / at::pow(at::scalar_tensor(c.rope_theta, f32), exponent);
+  if (c.rope_scaling.type == "llama3") {
+    // Llama-3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    const auto& s = c.rope_scaling;
+    const double old_ctx = static_cast<double>(s.original_max_position_embeddings);
+    const double low_freq_wavelen = old_ctx / s.low_freq_factor;
+    const double high_freq_wavelen = old_ctx / s.high_freq_factor;
+    at::Tensor wavelen = 2 * M_PI / inv_freq;
+    at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+    at::Tensor smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    at::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+    at::Tensor medium = (wavelen >= high_freq_wavelen).logical_and(wavelen <= low_freq_wavelen);
+    inv_freq = at::where(medium, smoothed, scaled);
+  }
+  return inv_freq;
+}
+
+namespace {
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const std::int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+class TensorTable {
+ public:
+  TensorTable(std::map<std::string, at::Tensor>& tensors, std::string source)
+      : tensors_(tensors), source_(std::move(source)) {}
+
+  // The tensor `name` with exactly `shape`; a missing tensor or another shape is an error naming both.
+  at::Tensor take(const std::string& name, std::vector<std::int64_t> shape) {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) fail(source_, name, "missing tensor");
+    if (it->second.sizes() != at::IntArrayRef(shape))
+      fail(source_, name, "shape " + shape_str(it->second.sizes().vec()) + " expected " + shape_str(shape));
+    if (dtype_ && it->second.scalar_type() != *dtype_)
+      fail(source_, name, std::string("dtype ") + c10::toString(it->second.scalar_type()) + " differs from the embedding's");
+    dtype_ = it->second.scalar_type();
+    used_.insert(name);
+    return it->second;
+  }
+  bool has(const std::string& name) const { return tensors_.count(name) != 0; }
+  void reject_unused() const {
+    for (const auto& [name, t] : tensors_) {
+      if (used_.count(name) || name.find("rotary_emb.inv_freq") != std::string::npos) continue;
+      if (name == "lm_head.weight") continue;  // tied models may still carry a copy; the embedding wins, as in HF
+      fail(source_, name, "unexpected tensor for this architecture (wrong config?)");
+    }
+  }
+
+ private:
+  static std::string shape_str(const std::vector<std::int64_t>& s) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+    return out + "]";
+  }
+  std::map<std::string, at::Tensor>& tensors_;
+  std::string source_;
+  std::set<std::string> used_;
+  std::optional<at::ScalarType> dtype_;  // every backbone tensor shares the embedding's dtype
+};
+
+}  // namespace
+
+std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType dtype) {
+  return std::make_unique<Backbone>(load_checkpoint(path, dtype));
+}
+
+Backbone::Backbone(LoadedCheckpoint ck) : config_(ck.config), source_(ck.source), format_(ck.format), stored_types_(ck.stored_types) {
+  config_.validate(source_);
+  const auto& c = config_;
+  const std::int64_t d = c.hidden_size, q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
+  TensorTable t(ck.tensors, source_);
+  embed_ = t.take("model.embed_tokens.weight", {c.vocab_size, d});
+  dtype_ = embed_.scalar_type();
+  final_norm_ = t.take("model.norm.weight", {d});
+  lm_head_ = c.tie_word_embeddings ? embed_ : t.take("lm_head.weight", {c.vocab_size, d});
+  for (std::int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    Layer L;
+    L.input_norm = t.take(p + "input_layernorm.weight", {d});
+    L.q_proj = t.take(p + "self_attn.q_proj.weight", {q_dim, d});
+    L.k_proj = t.take(p + "self_attn.k_proj.weight", {kv_dim, d});
+    L.v_proj = t.take(p + "self_attn.v_proj.weight", {kv_dim, d});
+    L.o_proj = t.take(p + "self_attn.o_proj.weight", {d, q_dim});
+    if (c.attention_bias) {
+      L.q_bias = t.take(p + "self_attn.q_proj.bias", {q_dim});
+      L.k_bias = t.take(p + "self_attn.k_proj.bias", {kv_dim});
+      L.v_bias = t.take(p + "self_attn.v_proj.bias", {kv_dim});
+    }
+    if (c.qk_norm) {
+      L.q_norm = t.take(p + "self_attn.q_norm.weight", {c.head_dim});
+      L.k_norm = t.take(p + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    L.post_norm = t.take(p + "post_attention_layernorm.weight", {d});
+    L.gate_proj = t.take(p + "mlp.gate_proj.weight", {c.intermediate_size, d});
+    L.up_proj = t.take(p + "mlp.up_proj.weight", {c.intermediate_size, d});
+    L.down_proj = t.take(p + "mlp.down_proj.weight", {d, c.intermediate_size});
+    layers_.push_back(std::move(L));
+  }
+  t.reject_unused();
+  // The backbone is frozen: nothing here is a trainable parameter.
+  for (auto& [name, tensor] : ck.tensors) tensor.set_requires_grad(false);
+  inv_freq_ = rope_inverse_frequencies(c);
+}
+
+std::int64_t Backbone::num_parameters() const {
+  std::int64_t n = embed_.numel() + final_norm_.numel() + (config_.tie_word_embeddings ? 0 : lm_head_.numel());
+  for (const Layer& L : layers_)
+    for (const at::Tensor* w : {&L.input_norm, &L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.q_bias, &L.k_bias,
+                                &L.v_bias, &L.q_norm, &L.k_norm, &L.post_norm, &L.gate_proj, &L.up_proj, &L.down_proj})
+      if (w->defined()) n += w->numel();
+  return n;
+}
+
+std::int64_t Backbone::parameter_bytes() const { return num_parameters() * static_cast<std::int64_t>(embed_.element_size()); }
+
+at::Tensor Backbone::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+  return ops::rms_norm(x, weight, config_.rms_norm_eps);
+}
+
+at::Tensor Backbone::activation(const at::Tensor& x) const {
+  const auto& act = config_.hidden_act;
+  if (act == "silu") return at::silu(x);
+  if (act == "gelu") return at::gelu(x);
+  if (act == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
+  return at::relu(x);
+}
+
+at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
+                               const at::Tensor& cos, const at::Tensor& sin, KVCache& cache,
+                               AttentionHook* hook) const {
+  const auto& c = config_;
+  const std::int64_t B = x.size(0), T = x.size(1);
+  AttentionCall call;
+  call.layer = layer;
+  call.normed_input = rms_norm(x, L.input_norm);
+  call.positions = positions;
+  auto project = [&](const at::Tensor& w, const at::Tensor& b, std::int64_t heads) {
+    return at::linear(call.normed_input, w, b).view({B, T, heads, c.head_dim}).transpose(1, 2);
+  };
+  at::Tensor q = project(L.q_proj, L.q_bias, c.num_heads);
+  at::Tensor k = project(L.k_proj, L.k_bias, c.num_kv_heads);
+  call.v = project(L.v_proj, L.v_bias, c.num_kv_heads);
+  if (c.qk_norm) {
+    q = rms_norm(q, L.q_norm);
+    k = rms_norm(k, L.k_norm);
+  }
+  call.q_pre_rope = q;
+  call.k_pre_rope = k;
+  call.q = q * cos + rotate_half(q) * sin;
+  call.k = k * cos + rotate_half(k) * sin;
+  if (hook) hook->before_attention(call, cache);
+
+  const std::int64_t cached = cache.size(layer);
+  cache.append(layer, call.k, call.v, positions);
+  const at::Tensor keys = cache.keys(layer), values = cache.values(layer);
+  // Every cached entry precedes the chunk, so the mask is "all cached" + causal within the chunk,
+  // the same for every head: [T, cached + T], or none at all for a first chunk or a single token.
+  std::optional<at::Tensor> mask;
+  bool causal = false;
+  if (T > 1 && cached == 0) {
+    causal = true;
+  } else if (T > 1) {
+    auto opts = at::TensorOptions().dtype(at::kBool);
+    mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
+  }
+  call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
+                                                 /*enable_gqa=*/c.num_heads != c.num_kv_heads);
+  if (hook) hook->after_attention(call, cache);
+  return at::linear(call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim}), L.o_proj);
+}
+
+at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook) const {
+  TORCH_CHECK(tokens.dim() == 2, "Backbone::forward: tokens must be [B, T]");
+  TORCH_CHECK(cache.num_layers() == config_.num_layers, "Backbone::forward: cache has the wrong number of layers");
+  const std::int64_t T = tokens.size(1);
+  const at::Tensor ids = tokens.to(at::kLong);
+  const std::int64_t bad = ((ids < 0) | (ids >= config_.vocab_size)).sum().item<std::int64_t>();
+  if (bad > 0) fail(source_, "tokens", std::to_string(bad) + " token ids outside [0, " + std::to_string(config_.vocab_size) + ")");
+  const at::Tensor positions = at::arange(cache.next_position(), cache.next_position() + T, ids.options());
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, D/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(dtype_), sin = emb.sin().to(dtype_);
+  at::Tensor h = at::embedding(embed_, ids);
+  for (std::int64_t i = 0; i < config_.num_layers; ++i) {
+    const Layer& L = layers_[static_cast<std::size_t>(i)];
+    h = h + attention(L, i, h, positions, cos, sin, cache, hook);
+    const at::Tensor x = rms_norm(h, L.post_norm);
+    h = h + at::linear(activation(at::linear(x, L.gate_proj)) * at::linear(x, L.up_proj), L.down_proj);
+  }
+  cache.advance(T);
+  return rms_norm(h, final_norm_);
+}
+
+at::Tensor Backbone::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_).to(at::kFloat); }
+
+}  // namespace kvbound

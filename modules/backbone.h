@@ -1,0 +1,83 @@
+// The frozen Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): RMSNorm, RoPE in
+// Hugging Face's rotate-half convention (with Llama-3 scaling), GQA, SwiGLU, tied or untied head.
+// Every parameter has requires_grad=false. Attention reads and writes a KVCache; an AttentionHook
+// sees each layer's q/k/v and may evict from the cache or change the attention output.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoints/weights.h"
+#include "modules/kv_cache.h"
+#include "modules/model_config.h"
+
+namespace kvbound {
+
+// What a hook sees of one attention call of one layer. Shapes: B batch, T new tokens, Hq query heads,
+// Hkv KV heads, D head_dim.
+struct AttentionCall {
+  std::int64_t layer = 0;
+  at::Tensor normed_input;  // [B, T, hidden]: input_layernorm(h), what q/k/v are projected from
+  at::Tensor q, k, v;       // [B, Hq|Hkv, T, D]; q and k after RoPE
+  at::Tensor q_pre_rope, k_pre_rope;
+  at::Tensor positions;     // [T] int64
+  at::Tensor output;        // [B, Hq, T, D]: set by attention, before o_proj; after_attention may replace it
+};
+
+class AttentionHook {
+ public:
+  virtual ~AttentionHook() = default;
+  // Before the chunk's keys enter the cache and before attention (pre-eviction happens here).
+  virtual void before_attention(AttentionCall& call, KVCache& cache) { (void)call; (void)cache; }
+  // After attention over the cache (which now holds the chunk too); may edit call.output or evict.
+  virtual void after_attention(AttentionCall& call, KVCache& cache) { (void)call; (void)cache; }
+};
+
+class Backbone {
+ public:
+  // Loads an HF folder or .gguf file in `dtype` (kFloat or kBFloat16) and checks every tensor.
+  static std::unique_ptr<Backbone> load(const std::string& path, at::ScalarType dtype);
+  explicit Backbone(LoadedCheckpoint checkpoint);
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& source() const { return source_; }
+  const std::string& format() const { return format_; }
+  at::ScalarType dtype() const { return dtype_; }
+  const std::map<std::string, std::int64_t>& stored_types() const { return stored_types_; }
+  std::int64_t num_parameters() const;
+  std::int64_t parameter_bytes() const;
+
+  // Runs tokens [B, T] at positions cache.next_position() + [0, T) through every layer, appending their
+  // keys/values to `cache`; returns the final normed hidden states [B, T, hidden] (compute dtype).
+  at::Tensor forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const;
+  // Logits [B, T, vocab] in float32 for hidden states from forward_hidden.
+  at::Tensor logits(const at::Tensor& hidden) const;
+  at::Tensor forward(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const {
+    return logits(forward_hidden(tokens, cache, hook));
+  }
+  KVCache make_cache() const { return KVCache(config_.num_layers); }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_bias, k_bias, v_bias, q_norm, k_norm;
+    at::Tensor post_norm, gate_proj, up_proj, down_proj;
+  };
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
+  at::Tensor activation(const at::Tensor& x) const;
+  at::Tensor attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
+                       const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, AttentionHook* hook) const;
+
+  ModelConfig config_;
+  std::string source_, format_;
+  std::map<std::string, std::int64_t> stored_types_;
+  at::ScalarType dtype_ = at::kFloat;
+  at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  std::vector<Layer> layers_;
+};
+
+// The RoPE inverse frequencies [D/2] (float32) for a config, Llama-3 scaling included.
+at::Tensor rope_inverse_frequencies(const ModelConfig& config);
+
+}  // namespace kvbound

@@ -1,0 +1,77 @@
+#include "modules/kv_cache.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/gather.h>
+
+
+namespace kvbound {
+
+KVCache::KVCache(std::int64_t num_layers) : layers_(static_cast<std::size_t>(num_layers)) {}
+
+void KVCache::append(std::int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  Layer& L = layers_.at(layer);
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "KVCache::append: k and v must be [B, Hkv, T, D] alike");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == k.size(2), "KVCache::append: positions must be [T]");
+  const std::int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3);
+  const std::int64_t need = L.length + T;
+  if (!L.k.defined() || need > L.k.size(2)) {
+    const std::int64_t cap = std::max<std::int64_t>(need, L.k.defined() ? 2 * L.k.size(2) : std::max<std::int64_t>(need, 64));
+    at::Tensor nk = at::empty({B, H, cap, D}, k.options());
+    at::Tensor nv = at::empty({B, H, cap, D}, v.options());
+    at::Tensor np = at::empty({B, H, cap}, positions.options().dtype(at::kLong));
+    if (L.length > 0) {
+      nk.narrow(2, 0, L.length).copy_(L.k.narrow(2, 0, L.length));
+      nv.narrow(2, 0, L.length).copy_(L.v.narrow(2, 0, L.length));
+      np.narrow(2, 0, L.length).copy_(L.pos.narrow(2, 0, L.length));
+    }
+    L.k = nk;
+    L.v = nv;
+    L.pos = np;
+  }
+  TORCH_CHECK(L.k.size(0) == B && L.k.size(1) == H && L.k.size(3) == D, "KVCache::append: shape changed between calls");
+  L.k.narrow(2, L.length, T).copy_(k);
+  L.v.narrow(2, L.length, T).copy_(v);
+  L.pos.narrow(2, L.length, T).copy_(positions.view({1, 1, T}).expand({B, H, T}));
+  L.length = need;
+}
+
+void KVCache::retain(std::int64_t layer, const at::Tensor& index) {
+  Layer& L = layers_.at(layer);
+  TORCH_CHECK(index.dim() == 3 && index.size(0) == L.k.size(0) && index.size(1) == L.k.size(1),
+              "KVCache::retain: index must be [B, Hkv, M]");
+  const std::int64_t M = index.size(2);
+  TORCH_CHECK(M <= L.length, "KVCache::retain: keeping more entries than the cache holds");
+  const at::Tensor idx = index.to(at::kLong);
+  const std::int64_t D = L.k.size(3);
+  const at::Tensor idx4 = idx.unsqueeze(-1).expand({idx.size(0), idx.size(1), M, D});
+  // Gather first, then write back: the kept rows may overlap the rows they overwrite.
+  const at::Tensor k = at::gather(keys(layer), 2, idx4);
+  const at::Tensor v = at::gather(values(layer), 2, idx4);
+  const at::Tensor p = at::gather(positions(layer), 2, idx);
+  L.k.narrow(2, 0, M).copy_(k);
+  L.v.narrow(2, 0, M).copy_(v);
+  L.pos.narrow(2, 0, M).copy_(p);
+  L.length = M;
+}
+
+at::Tensor KVCache::keys(std::int64_t layer) const {
+  const Layer& L = layers_.at(layer);
+  return L.k.defined() ? L.k.narrow(2, 0, L.length) : at::Tensor();
+}
+at::Tensor KVCache::values(std::int64_t layer) const {
+  const Layer& L = layers_.at(layer);
+  return L.v.defined() ? L.v.narrow(2, 0, L.length) : at::Tensor();
+}
+at::Tensor KVCache::positions(std::int64_t layer) const {
+  const Layer& L = layers_.at(layer);
+  return L.pos.defined() ? L.pos.narrow(2, 0, L.length) : at::Tensor();
+}
+
+std::int64_t KVCache::live_bytes() const {
+  std::int64_t total = 0;
+  for (const Layer& L : layers_)
+    if (L.k.defined()) total += 2 * L.length * L.k.size(0) * L.k.size(1) * L.k.size(3) * static_cast<std::int64_t>(L.k.element_size());
+  return total;
+}
+
+}  // namespace kvbound

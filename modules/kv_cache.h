@@ -1,0 +1,41 @@
+// Per-layer key/value cache. Keys are stored after RoPE, with the original position of every entry,
+// per (batch, KV head), so an eviction policy may keep a different set of tokens in each KV head.
+// Storage grows geometrically (amortised O(1) appends); keys()/values() are views of the live prefix.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvbound {
+
+class KVCache {
+ public:
+  explicit KVCache(std::int64_t num_layers);
+
+  // Appends a chunk: k, v [B, Hkv, T, D]; positions [T] (int64, the same for every batch row and head).
+  void append(std::int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
+  // Keeps, per (batch, KV head), the entries at `index` [B, Hkv, M] (int64, in increasing order), in place.
+  void retain(std::int64_t layer, const at::Tensor& index);
+
+  at::Tensor keys(std::int64_t layer) const;       // [B, Hkv, N, D]
+  at::Tensor values(std::int64_t layer) const;     // [B, Hkv, N, D]
+  at::Tensor positions(std::int64_t layer) const;  // [B, Hkv, N] int64
+  std::int64_t size(std::int64_t layer) const { return layers_.at(layer).length; }
+  std::int64_t num_layers() const { return static_cast<std::int64_t>(layers_.size()); }
+  // Position the next token will take (tokens seen so far, evicted or not).
+  std::int64_t next_position() const { return next_position_; }
+  void advance(std::int64_t tokens) { next_position_ += tokens; }
+  // Bytes held by live entries (keys + values), summed over layers.
+  std::int64_t live_bytes() const;
+
+ private:
+  struct Layer {
+    at::Tensor k, v, pos;  // capacity-sized buffers; the first `length` entries along dim 2 are live
+    std::int64_t length = 0;
+  };
+  std::vector<Layer> layers_;
+  std::int64_t next_position_ = 0;
+};
+
+}  // namespace kvbound

@@ -1,0 +1,26 @@
+#include "ops/rms_norm.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/rsqrt.h>
+#include <torch/library.h>
+
+namespace kvbound::ops {
+
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kvbound::rms_norm", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x, weight, eps);
+}
+
+}  // namespace kvbound::ops
+
+TORCH_LIBRARY_FRAGMENT(kvbound, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(kvbound, CPU, m) { m.impl("rms_norm", &kvbound::ops::rms_norm_reference); }

@@ -1,0 +1,149 @@
+// The backbone computes what transformers computes: golden logits of tiny random checkpoints of every
+// supported family, the real SmolLM2 GGUF, and llama2.c's reference generation for stories260K.
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/tensor.h>
+#include <gtest/gtest.h>
+
+#include "data/tokenizer.h"
+#include "golden_reader.h"
+#include "modules/backbone.h"
+#include "modules/sampler.h"
+#include "test_env.h"
+
+using namespace kvbound;
+
+namespace {
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+class TinyGolden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TinyGolden, Fp32LogitsMatchTransformers) {
+  const std::string dir = test::test_data("tiny/" + GetParam());
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
+  const auto model = Backbone::load(dir, at::kFloat);
+  KVCache cache = model->make_cache();
+  const at::Tensor logits = model->forward(golden.input_ids, cache);
+  EXPECT_LE(max_abs_diff(logits, golden.values), 1e-4) << GetParam();
+  EXPECT_EQ(cache.size(0), golden.input_ids.size(1));
+}
+
+TEST_P(TinyGolden, IncrementalDecodeEqualsOneForward) {
+  const std::string dir = test::test_data("tiny/" + GetParam());
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
+  const auto model = Backbone::load(dir, at::kFloat);
+  KVCache one = model->make_cache();
+  const at::Tensor full = model->forward(golden.input_ids, one);
+  // Prefill in two uneven chunks, then one token at a time.
+  KVCache cache = model->make_cache();
+  std::vector<at::Tensor> parts;
+  const std::int64_t T = golden.input_ids.size(1);
+  parts.push_back(model->forward(golden.input_ids.narrow(1, 0, 37), cache));
+  parts.push_back(model->forward(golden.input_ids.narrow(1, 37, 64), cache));
+  for (std::int64_t t = 101; t < T; ++t) parts.push_back(model->forward(golden.input_ids.narrow(1, t, 1), cache));
+  EXPECT_LE(max_abs_diff(at::cat(parts, 1), full), 1e-5);
+  EXPECT_EQ(cache.next_position(), T);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TinyGolden,
+                         ::testing::Values("llama_tied", "llama3_untied", "mistral_untied", "qwen2_tied",
+                                           "qwen3_untied", "llama3_sharded", "qwen3_bf16"));
+
+TEST(Backbone, Bf16ComputeStaysCloseToFp32) {
+  const std::string dir = test::test_data("tiny/qwen3_bf16");
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
+  const auto model = Backbone::load(dir, at::kBFloat16);
+  EXPECT_EQ(model->dtype(), at::kBFloat16);
+  KVCache cache = model->make_cache();
+  const at::Tensor logits = model->forward(golden.input_ids, cache);
+  // bf16 keeps 8 mantissa bits: relative error of a few 1e-2 through 3 layers.
+  const double scale = golden.values.abs().max().item<double>();
+  EXPECT_LE(max_abs_diff(logits, golden.values), 0.05 * scale);
+}
+
+TEST(Backbone, EveryParameterIsFrozenAndCounted) {
+  const std::string dir = test::test_data("tiny/llama3_untied");
+  KVBOUND_REQUIRE_FILE(dir + "/config.json");
+  const auto model = Backbone::load(dir, at::kFloat);
+  // embed + head (untied) + per layer: 2 norms + q,k,v,o + 3 MLP.
+  const std::int64_t d = 64, v = 160, ff = 112, q = 64, kv = 16;
+  const std::int64_t per_layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * ff;
+  EXPECT_EQ(model->num_parameters(), 2 * v * d + d + 3 * per_layer);
+}
+
+TEST(Backbone, HookSeesEveryLayerAndCanReplaceTheAttentionOutput) {
+  const std::string dir = test::test_data("tiny/llama_tied");
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
+  const auto model = Backbone::load(dir, at::kFloat);
+  struct Recorder : AttentionHook {
+    std::vector<std::int64_t> before, after;
+    bool zero_output = false;
+    void before_attention(AttentionCall& call, KVCache& cache) override {
+      before.push_back(call.layer);
+      EXPECT_EQ(cache.size(call.layer), 0);  // the chunk is not in the cache yet
+      EXPECT_EQ(call.k.size(1), 2);
+    }
+    void after_attention(AttentionCall& call, KVCache& cache) override {
+      after.push_back(call.layer);
+      EXPECT_EQ(cache.size(call.layer), call.q.size(2));
+      if (zero_output) call.output = call.output * 0;
+    }
+  } hook;
+  KVCache cache = model->make_cache();
+  const at::Tensor with_hook = model->forward(golden.input_ids, cache, &hook);
+  EXPECT_EQ(hook.before, (std::vector<std::int64_t>{0, 1, 2}));
+  EXPECT_EQ(hook.after, (std::vector<std::int64_t>{0, 1, 2}));
+  EXPECT_LE(max_abs_diff(with_hook, golden.values), 1e-4);
+  hook.zero_output = true;
+  KVCache cache2 = model->make_cache();
+  EXPECT_GT(max_abs_diff(model->forward(golden.input_ids, cache2, &hook), golden.values), 1e-2);
+}
+
+TEST(Backbone, SmolLM2GgufLogitsMatchTransformers) {
+  KVBOUND_REQUIRE_FILE(test::default_model());
+  const auto model = Backbone::load(test::default_model(), at::kFloat);
+  for (const char* name : {"story", "code"}) {
+    const std::string dir = test::test_data("smollm2");
+    KVBOUND_REQUIRE_FILE(dir + "/" + name + ".f32");
+    const auto golden = test::read_golden(dir, name);
+    KVCache cache = model->make_cache();
+    const at::Tensor logits = model->forward(golden.input_ids, cache)[0];
+    // Both sides dequantize the same Q4_1/Q8_0 blocks to fp32; what remains is fp32 summation order
+    // over 30 layers, on logits of magnitude ~20.
+    EXPECT_LE(max_abs_diff(logits, golden.values), 2e-3) << name;
+    EXPECT_TRUE(at::equal(logits.argmax(-1), golden.values.argmax(-1))) << name;
+  }
+}
+
+TEST(Backbone, Stories260KGreedyReproducesLlama2cReference) {
+  const std::string dir = test::shared_data("stories260K");
+  KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
+  const auto model = Backbone::load(dir, at::kFloat);
+  const auto tokenizer = load_tokenizer(dir + "/tok512.bin");
+  // llama2.c test_all.py: `run stories260K.bin -z tok512.bin -t 0.0 -n 200` prints exactly this.
+  const std::string expected =
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she "
+      "saw a big, red ball. She wanted to play with it, but it was too high.\nLily's mom said, \"Lily, let's go to "
+      "the park.\" Lily was sad and didn't know what to do. She said, \"I want to play with your ball, but I can't "
+      "find it.\"\nLily was sad and didn't know what to do. She said, \"I'm sorry, Lily. I didn't know what to "
+      "do.\"\nLily didn't want to help her mom, so she";
+  std::vector<std::int64_t> ids = {tokenizer->bos_id()};
+  KVCache cache = model->make_cache();
+  Sampler greedy({});
+  at::Tensor input = at::tensor(ids, at::kLong).unsqueeze(0);
+  for (int step = 1; step < 200; ++step) {  // run.c's 200 steps include the BOS position
+    const std::int64_t next = greedy.next(model->forward(input, cache)[0][-1]);
+    ids.push_back(next);
+    input = at::tensor(std::vector<std::int64_t>{next}, at::kLong).unsqueeze(0);
+  }
+  EXPECT_EQ(tokenizer->decode(ids), expected);
+  EXPECT_EQ(std::vector<std::int64_t>(ids.begin() + 1, ids.begin() + 11),
+            (std::vector<std::int64_t>{403, 407, 261, 378, 432, 383, 286, 261, 376, 298}));
+}
+
+}  // namespace
