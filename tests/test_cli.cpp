@@ -14,15 +14,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Run {
+struct CliRun {
   int code;
   std::string out, err;
 };
 
-Run run(const std::string& args) {
+CliRun run(const std::string& args) {
   const fs::path err_file = fs::temp_directory_path() / ("kvbound_cli_err_" + std::to_string(::getpid()));
   const std::string cmd = kvbound::test::kvbound_bin() + " " + args + " 2>" + err_file.string();
-  Run r{};
+  CliRun r{};
   FILE* p = ::popen(cmd.c_str(), "r");
   char buf[4096];
   std::size_t n;
@@ -40,13 +40,13 @@ Run run(const std::string& args) {
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 TEST(Cli, HelpListsTheWorkingCommands) {
-  const Run r = run("--help");
+  const CliRun r = run("--help");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("  info "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  generate "), std::string::npos) << r.out;
-  const Run none = run("");
+  const CliRun none = run("");
   EXPECT_NE(none.code, 0);
-  const Run bad = run("frobnicate");
+  const CliRun bad = run("frobnicate");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("unknown command 'frobnicate'"), std::string::npos);
 }
@@ -55,11 +55,11 @@ TEST(Cli, GenerateReproducesLlama2cOnStories260K) {
   const std::string dir = kvbound::test::shared_data("stories260K");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
   // The tokenizer (tok512.bin) is found beside the weights.
-  const Run r = run("generate --model " + quote(dir) + " --max-new-tokens 199 --threads 1");
+  const CliRun r = run("generate --model " + quote(dir) + " --max-new-tokens 199 --threads 1");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out.rfind("Once upon a time, there was a little girl named Lily.", 0), 0u) << r.out;
   EXPECT_NE(r.out.find("Lily didn't want to help her mom, so she\n"), std::string::npos) << r.out;
-  const Run prompted = run("generate --model " + quote(dir) + " --prompt 'Once upon a time, there was a' "
+  const CliRun prompted = run("generate --model " + quote(dir) + " --prompt 'Once upon a time, there was a' "
                            "--max-new-tokens 5 --threads 1");
   ASSERT_EQ(prompted.code, 0) << prompted.err;
   EXPECT_EQ(prompted.out, " little girl named Lily.\n");
@@ -68,7 +68,7 @@ TEST(Cli, GenerateReproducesLlama2cOnStories260K) {
 TEST(Cli, InfoDescribesTheModel) {
   const std::string dir = kvbound::test::shared_data("stories260K");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
-  const Run r = run("info --model " + quote(dir));
+  const CliRun r = run("info --model " + quote(dir));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("layers            5\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("8 query, 4 key/value (head_dim 8)"), std::string::npos) << r.out;
@@ -84,21 +84,21 @@ TEST(Cli, BadInputIsOneLineNamingTheFile) {
   for (const std::string& args : {"info --model " + gguf.string(), "info --model " + (dir / "nothing").string(),
                                   "info --model " + dir.string(), "generate --max-new-tokens -3 --model " + gguf.string(),
                                   "info --dtype float8 --model " + gguf.string()}) {
-    const Run r = run(args);
+    const CliRun r = run(args);
     EXPECT_NE(r.code, 0) << args;
     EXPECT_TRUE(r.out.empty()) << args << ": " << r.out;
     ASSERT_FALSE(r.err.empty()) << args;
     EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << args << ": " << r.err;
     EXPECT_NE(r.err.find("error: "), std::string::npos) << r.err;
   }
-  const Run r = run("info --model " + gguf.string());
+  const CliRun r = run("info --model " + gguf.string());
   EXPECT_NE(r.err.find(gguf.string() + ": "), std::string::npos) << r.err;
   fs::remove_all(dir);
 }
 
 TEST(Cli, GeneratesWithTheDefaultModel) {
   KVBOUND_REQUIRE_FILE(kvbound::test::default_model());
-  const Run r = run("generate --model " + quote(kvbound::test::default_model()) +
+  const CliRun r = run("generate --model " + quote(kvbound::test::default_model()) +
                     " --prompt 'The capital of France is' --max-new-tokens 8 --threads 2");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("Paris"), std::string::npos) << r.out;

@@ -19,6 +19,7 @@ namespace {
 
 std::vector<std::uint8_t> make_file(const nlohmann::json& header, std::size_t data_bytes) {
   std::string h = header.dump();
+  h.resize((h.size() + 7) / 8 * 8, ' ');  // writers pad the header so the data starts 8-byte aligned
   std::vector<std::uint8_t> out(8 + h.size() + data_bytes, 0);
   const std::uint64_t n = h.size();
   for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
