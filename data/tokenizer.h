@@ -23,6 +23,15 @@ class Tokenizer {
   virtual std::int64_t eos_id() const = 0;  // -1 when none
   // Stable identity (format + hash of the vocabulary) so datasets can refuse another tokenizer.
   virtual std::string identity() const = 0;
+
+  // Whether this tokenizer's own convention starts every text with BOS (llama2.c: always; GGUF:
+  // tokenizer.ggml.add_bos_token; tokenizer.json: a BOS in the post-processor template, or
+  // add_bos_token in the tokenizer_config.json beside it). `generate` follows it.
+  bool adds_bos() const { return adds_bos_; }
+  void set_adds_bos(bool adds_bos) { adds_bos_ = adds_bos; }
+
+ private:
+  bool adds_bos_ = false;
 };
 
 // Loads by path: "*.json" -> HF tokenizer.json, "*.gguf" -> GGUF vocabulary, otherwise llama2.c .bin.

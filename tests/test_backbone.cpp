@@ -50,7 +50,8 @@ TEST_P(TinyGolden, IncrementalDecodeEqualsOneForward) {
 
 INSTANTIATE_TEST_SUITE_P(Families, TinyGolden,
                          ::testing::Values("llama_tied", "llama3_untied", "mistral_untied", "qwen2_tied",
-                                           "qwen3_untied", "llama3_sharded", "qwen3_bf16"));
+                                           "qwen3_untied", "llama3_sharded", "qwen3_bf16"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 TEST(Backbone, Bf16ComputeStaysCloseToFp32) {
   const std::string dir = test::test_data("tiny/qwen3_bf16");
@@ -136,7 +137,7 @@ TEST(Backbone, Stories260KGreedyReproducesLlama2cReference) {
   KVCache cache = model->make_cache();
   Sampler greedy({});
   at::Tensor input = at::tensor(ids, at::kLong).unsqueeze(0);
-  for (int step = 1; step < 200; ++step) {  // run.c's 200 steps include the BOS position
+  for (int step = 0; step < 200; ++step) {  // run.c -n 200: 200 forward steps, each printing its next token
     const std::int64_t next = greedy.next(model->forward(input, cache)[0][-1]);
     ids.push_back(next);
     input = at::tensor(std::vector<std::int64_t>{next}, at::kLong).unsqueeze(0);

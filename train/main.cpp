@@ -113,7 +113,7 @@ int cmd_generate(int argc, char** argv) {
                                      std::to_string(model->config().vocab_size));
 
   const std::string prompt = r["prompt"].as<std::string>();
-  std::vector<std::int64_t> ids = tokenizer->encode(prompt, /*add_bos=*/prompt.empty());
+  std::vector<std::int64_t> ids = tokenizer->encode(prompt, /*add_bos=*/prompt.empty() || tokenizer->adds_bos());
   if (ids.empty()) {
     if (tokenizer->bos_id() < 0) fail(tok_path, "bos", "an empty prompt needs a BOS token and this tokenizer has none");
     ids.push_back(tokenizer->bos_id());
