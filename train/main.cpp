@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "checkpoints/errors.h"
+#include "train/commands.h"
 #include "data/tokenizer.h"
 #include "modules/backbone.h"
 #include "modules/sampler.h"
@@ -20,8 +21,9 @@ namespace {
 
 constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
-// The default model as scripts/setup.sh places it: $KVBOUND_MODEL_DIR, else models/ beside the build
-// folder that holds this binary, else ./models.
+}  // namespace
+
+// $KVBOUND_MODEL_DIR, else models/ beside the build folder that holds this binary, else ./models.
 std::string default_model_path() {
   namespace fs = std::filesystem;
   if (const char* dir = std::getenv("KVBOUND_MODEL_DIR")) return (fs::path(dir) / kDefaultModelFile).string();
@@ -33,6 +35,8 @@ std::string default_model_path() {
   }
   return (fs::path("models") / kDefaultModelFile).string();
 }
+
+namespace {
 
 at::ScalarType parse_dtype(const std::string& s) {
   if (s == "float32" || s == "fp32") return at::kFloat;
@@ -152,6 +156,8 @@ const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> all = {
       {"info", "print a model's architecture, sizes, dtypes and parameter count", cmd_info},
       {"generate", "continue a prompt with the frozen backbone", cmd_generate},
+      {"prepare", "tokenize text/jsonl files into an HDF5 token dataset", cmd_prepare},
+      {"eval", "compare KV eviction policies under budgets (YAML config)", cmd_eval},
   };
   return all;
 }

@@ -1,0 +1,93 @@
+#include "eval/budget_sweep.h"
+
+#include <map>
+
+#include "checkpoints/errors.h"
+#include "eval/progress.h"
+#include "eval/text_windows.h"
+#include "modules/policies/registry.h"
+
+namespace kvbound {
+namespace {
+
+struct Run {
+  std::string policy;
+  std::int64_t budget;  // 0 for full
+};
+
+std::vector<Run> runs_of(const SweepSettings& s) {
+  std::vector<Run> runs;
+  for (const std::string& p : s.policies) {
+    make_policy(p, s.policy_options);  // rejects an unknown name before any work
+    if (p == "full") {
+      runs.push_back({p, 0});
+      continue;
+    }
+    for (std::int64_t b : s.budgets) {
+      if (b < 1) fail("eval", "budgets", "every budget must be >= 1, got " + std::to_string(b));
+      runs.push_back({p, b});
+    }
+  }
+  if (runs.empty()) fail("eval", "policies", "no policy to evaluate");
+  return runs;
+}
+
+// A fresh policy per run and window: policies keep per-sequence state.
+std::unique_ptr<EvictionPolicy> fresh(const Run& run, const PolicyOptions& options, std::uint64_t salt) {
+  PolicyOptions o = options;
+  o.seed = options.seed * 1000003 + salt;
+  return make_policy(run.policy, o);
+}
+
+}  // namespace
+
+EvalResults run_budget_sweep(const Backbone& model, const Tokenizer& tokenizer, const SweepSettings& s) {
+  const std::vector<Run> runs = runs_of(s);
+  const TextWindows text(s.text_path);
+  std::vector<std::vector<std::int64_t>> windows;
+  if (s.run_continuation) windows = text.sample(tokenizer, s.num_windows, s.context_len, s.seed);
+  std::vector<RetrievalCase> cases;
+  if (s.run_retrieval) cases = make_retrieval_cases(tokenizer, text, s.retrieval);
+
+  ProgressBar progress("eval", static_cast<std::int64_t>(runs.size() * (windows.size() + cases.size())));
+  std::map<std::size_t, ContinuationTotals> totals;
+  for (std::size_t w = 0; w < windows.size(); ++w) {
+    const ContinuationReference ref = continuation_reference(model, windows[w], s.continuation);
+    for (std::size_t r = 0; r < runs.size(); ++r) {
+      auto policy = fresh(runs[r], s.policy_options, w);
+      run_continuation(model, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.continuation, ref, totals[r]);
+      progress.advance(1, "window " + std::to_string(w + 1) + " " + runs[r].policy);
+    }
+  }
+  std::map<std::size_t, std::int64_t> correct;
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    for (std::size_t r = 0; r < runs.size(); ++r) {
+      auto policy = fresh(runs[r], s.policy_options, 7777 + c);
+      const std::string answer =
+          answer_retrieval(model, tokenizer, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.retrieval, cases[c]);
+      correct[r] += retrieval_correct(answer, cases[c].passkey) ? 1 : 0;
+      progress.advance(1, "passkey " + std::to_string(c + 1) + " " + runs[r].policy);
+    }
+  }
+  progress.finish();
+
+  EvalResults results;
+  for (std::size_t r = 0; r < runs.size(); ++r) {
+    ResultRow row{runs[r].policy, runs[r].budget, {}};
+    if (s.run_continuation) {
+      const ContinuationTotals& t = totals[r];
+      const double n = static_cast<double>(t.scored);
+      row.metrics[metric::kNll] = t.nll / n;
+      row.metrics[metric::kKlToFull] = t.kl / n;
+      row.metrics[metric::kTop1Agree] = t.agree / n;
+      row.metrics[metric::kPrefillTokS] = static_cast<double>(t.prefill_tokens) / t.prefill_seconds;
+      row.metrics[metric::kDecodeTokS] = static_cast<double>(t.decode_tokens) / t.decode_seconds;
+      row.metrics[metric::kPeakKvBytes] = static_cast<double>(t.peak_kv_bytes);
+    }
+    if (s.run_retrieval) row.metrics[metric::kRetrievalAcc] = static_cast<double>(correct[r]) / static_cast<double>(cases.size());
+    results.rows.push_back(std::move(row));
+  }
+  return results;
+}
+
+}  // namespace kvbound

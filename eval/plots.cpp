@@ -1,0 +1,467 @@
+#include "eval/plots.h"
+
+#include <cairo.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <memory>
+#include <set>
+#include <utility>
+
+#include "checkpoints/errors.h"
+
+namespace kvbound {
+namespace {
+
+constexpr int kWidth = 900;
+constexpr int kHeight = 600;
+constexpr const char* kFontFamily = "sans-serif";
+
+struct Rgb {
+  double r, g, b;
+};
+
+Rgb hex(unsigned value) {
+  return {((value >> 16) & 0xFF) / 255.0, ((value >> 8) & 0xFF) / 255.0, (value & 0xFF) / 255.0};
+}
+
+// Tableau's categorical colours without its grey (grey is the `full` reference) plus five darker ones
+// that stay apart from them: 14 policies get distinct colours; beyond that the colours repeat with a
+// different dash pattern.
+const std::vector<Rgb>& palette() {
+  static const std::vector<Rgb> colours = {
+      hex(0x1F77B4), hex(0xFF7F0E), hex(0x2CA02C), hex(0xD62728), hex(0x9467BD), hex(0x8C564B), hex(0xE377C2),
+      hex(0xBCBD22), hex(0x17BECF), hex(0x393B79), hex(0x637939), hex(0xAD494A), hex(0x7B4173), hex(0x8C6D31),
+  };
+  return colours;
+}
+const Rgb kFullColour = hex(0x444444);
+const Rgb kTextColour = hex(0x222222);
+const Rgb kAxisColour = hex(0x555555);
+const Rgb kGridColour = hex(0xE3E3E3);
+const std::vector<double> kReferenceDash = {7.0, 5.0};
+
+enum class Marker { Circle, Square, Triangle, Diamond };
+
+struct SeriesStyle {
+  Rgb colour;
+  Marker marker;
+  std::vector<double> dash;  // empty = solid
+};
+
+SeriesStyle style_for_index(std::size_t index) {
+  static const Marker markers[] = {Marker::Circle, Marker::Square, Marker::Triangle, Marker::Diamond};
+  static const std::vector<std::vector<double>> dashes = {{}, {10.0, 4.0}, {2.0, 3.0}, {10.0, 3.0, 2.0, 3.0}};
+  const std::size_t colours = palette().size();
+  return {palette()[index % colours], markers[index % 4], dashes[(index / colours) % dashes.size()]};
+}
+
+struct MetricPlot {
+  const char* metric;
+  const char* title;
+  const char* y_label;
+  double upper_bound;  // fractions never exceed 1, so the padded axis stops there
+};
+
+const std::vector<MetricPlot>& metric_plots() {
+  constexpr double kNoBound = std::numeric_limits<double>::infinity();
+  static const std::vector<MetricPlot> plots = {
+      {metric::kKlToFull, "KL divergence to the full cache vs KV budget",
+       "KL(p_full \u2016 p_budgeted), nats/token  (lower is better)", kNoBound},
+      {metric::kTop1Agree, "Top-1 agreement with the full cache vs KV budget",
+       "top-1 agreement with full cache  (higher is better)", 1.0},
+      {metric::kNll, "Next-token NLL vs KV budget", "NLL, nats/token  (lower is better)", kNoBound},
+      {metric::kRetrievalAcc, "Retrieval accuracy vs KV budget", "retrieval accuracy  (higher is better)", 1.0},
+  };
+  return plots;
+}
+
+// What one policy contributes to one plot.
+struct Series {
+  std::string policy;
+  SeriesStyle style;
+  std::vector<std::pair<std::int64_t, double>> points;  // (budget, value), budgets ascending
+  double reference = std::numeric_limits<double>::quiet_NaN();  // the unbounded row's value, if any
+  bool has_reference() const { return std::isfinite(reference); }
+};
+
+struct ValueAxis {
+  double tick_lo, tick_hi, step;  // ticks at tick_lo, tick_lo + step, ..., tick_hi
+  int decimals;                   // tick label precision
+  double view_lo, view_hi;        // the range the plot shows
+};
+
+// Ticks covering `values` with a little padding, kept within [0, upper_bound] (every quality metric is
+// non-negative) and widened to whole multiples of a 1/2/5 x 10^k step. The view extends a little past
+// the outer ticks so that a line at a bound (the full cache's KL of 0, agreement of 1) does not hide
+// under the plot frame.
+ValueAxis nice_y_axis(const std::vector<double>& values, double upper_bound) {
+  double lo = *std::min_element(values.begin(), values.end());
+  double hi = *std::max_element(values.begin(), values.end());
+  double span = hi - lo;
+  if (span <= 0.0) span = std::max(std::fabs(hi) * 0.1, 1e-3);
+  lo = std::max(0.0, lo - 0.06 * span);
+  hi = std::min(upper_bound, hi + 0.06 * span);
+  if (hi <= lo) hi = lo + span;
+  const double raw_step = (hi - lo) / 5.0;
+  const double magnitude = std::pow(10.0, std::floor(std::log10(raw_step)));
+  const double normalised = raw_step / magnitude;
+  const double step = (normalised < 1.5 ? 1.0 : normalised < 3.0 ? 2.0 : normalised < 7.0 ? 5.0 : 10.0) * magnitude;
+  // The small tolerance keeps a bound that is already a multiple of the step from growing a tick.
+  const double axis_lo = std::floor(lo / step + 1e-9) * step;
+  const double axis_hi = std::ceil(hi / step - 1e-9) * step;
+  const int decimals = std::max(0, static_cast<int>(-std::floor(std::log10(step) + 1e-9)));
+  const double margin = 0.03 * (axis_hi - axis_lo);
+  return {axis_lo, axis_hi, step, decimals, axis_lo - margin, axis_hi + margin};
+}
+
+using CairoSurface = std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)>;
+using CairoContext = std::unique_ptr<cairo_t, decltype(&cairo_destroy)>;
+
+class Canvas {
+ public:
+  explicit Canvas(cairo_t* cr) : cr_(cr) {}
+
+  void colour(const Rgb& c) { cairo_set_source_rgb(cr_, c.r, c.g, c.b); }
+
+  void font(double size, bool bold = false) {
+    cairo_select_font_face(cr_, kFontFamily, CAIRO_FONT_SLANT_NORMAL,
+                           bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
+    cairo_set_font_size(cr_, size);
+  }
+
+  double text_width(const std::string& text) {
+    cairo_text_extents_t extents;
+    cairo_text_extents(cr_, text.c_str(), &extents);
+    return extents.x_advance;
+  }
+
+  // Draws `text` with its horizontal anchor at x (align 0 = left, 0.5 = centre, 1 = right) and its
+  // vertical centre at y, using the font's ascent/descent so labels of one size line up.
+  void text(const std::string& text, double x, double y, double align) {
+    cairo_font_extents_t font_extents;
+    cairo_font_extents(cr_, &font_extents);
+    cairo_move_to(cr_, x - align * text_width(text), y + (font_extents.ascent - font_extents.descent) / 2.0);
+    cairo_show_text(cr_, text.c_str());
+  }
+
+  void vertical_text(const std::string& text, double x, double y) {
+    cairo_save(cr_);
+    cairo_translate(cr_, x, y);
+    cairo_rotate(cr_, -M_PI / 2.0);
+    this->text(text, 0.0, 0.0, 0.5);
+    cairo_restore(cr_);
+  }
+
+  // A line of `width` px from (x0, y0) to (x1, y1); odd widths on integer coordinates are shifted half a
+  // pixel so axis and grid lines stay sharp.
+  void line(double x0, double y0, double x1, double y1, double width) {
+    const double shift = std::fmod(width, 2.0) == 1.0 ? 0.5 : 0.0;
+    cairo_set_line_width(cr_, width);
+    cairo_move_to(cr_, std::round(x0) + shift, std::round(y0) + shift);
+    cairo_line_to(cr_, std::round(x1) + shift, std::round(y1) + shift);
+    cairo_stroke(cr_);
+  }
+
+  void dash(const std::vector<double>& pattern) {
+    cairo_set_dash(cr_, pattern.empty() ? nullptr : pattern.data(), static_cast<int>(pattern.size()), 0.0);
+  }
+
+  void polyline(const std::vector<std::pair<double, double>>& points, double width) {
+    cairo_set_line_width(cr_, width);
+    cairo_set_line_join(cr_, CAIRO_LINE_JOIN_ROUND);
+    cairo_set_line_cap(cr_, CAIRO_LINE_CAP_ROUND);
+    cairo_move_to(cr_, points.front().first, points.front().second);
+    for (std::size_t i = 1; i < points.size(); ++i) cairo_line_to(cr_, points[i].first, points[i].second);
+    cairo_stroke(cr_);
+  }
+
+  // A filled marker with a white rim, so markers stay visible where lines cross them.
+  void marker(Marker shape, double x, double y, double radius, const Rgb& fill) {
+    switch (shape) {
+      case Marker::Circle: cairo_arc(cr_, x, y, radius, 0.0, 2.0 * M_PI); break;
+      case Marker::Square:
+        cairo_rectangle(cr_, x - radius * 0.85, y - radius * 0.85, radius * 1.7, radius * 1.7);
+        break;
+      case Marker::Triangle:
+        cairo_move_to(cr_, x, y - radius * 1.15);
+        cairo_line_to(cr_, x + radius * 1.05, y + radius * 0.75);
+        cairo_line_to(cr_, x - radius * 1.05, y + radius * 0.75);
+        cairo_close_path(cr_);
+        break;
+      case Marker::Diamond:
+        cairo_move_to(cr_, x, y - radius * 1.2);
+        cairo_line_to(cr_, x + radius * 1.2, y);
+        cairo_line_to(cr_, x, y + radius * 1.2);
+        cairo_line_to(cr_, x - radius * 1.2, y);
+        cairo_close_path(cr_);
+        break;
+    }
+    colour(fill);
+    cairo_fill_preserve(cr_);
+    colour({1.0, 1.0, 1.0});
+    cairo_set_line_width(cr_, 1.0);
+    dash({});
+    cairo_stroke(cr_);
+  }
+
+  cairo_t* raw() { return cr_; }
+
+ private:
+  cairo_t* cr_;
+};
+
+std::string tick_label(double value, int decimals) {
+  char buffer[48];
+  std::snprintf(buffer, sizeof buffer, "%.*f", decimals, value);
+  return buffer;
+}
+
+// Shortens `text` with a trailing ellipsis until it fits `max_width` in the current font.
+std::string fit_text(Canvas& canvas, std::string text, double max_width) {
+  if (canvas.text_width(text) <= max_width) return text;
+  const std::string ellipsis = "\u2026";
+  while (!text.empty() && canvas.text_width(text + ellipsis) > max_width) {
+    text.pop_back();
+    while (!text.empty() && (static_cast<unsigned char>(text.back()) & 0xC0) == 0x80) text.pop_back();
+    if (!text.empty() && (static_cast<unsigned char>(text.back()) & 0xC0) == 0xC0) text.pop_back();
+  }
+  return text + ellipsis;
+}
+
+cairo_status_t append_png_bytes(void* closure, const unsigned char* data, unsigned int length) {
+  static_cast<std::string*>(closure)->append(reinterpret_cast<const char*>(data), length);
+  return CAIRO_STATUS_SUCCESS;
+}
+
+// Renders one metric's plot and returns the PNG bytes.
+std::string render_plot(const MetricPlot& spec, const std::vector<Series>& series, const std::string& subtitle,
+                        const std::string& path) {
+  CairoSurface surface(cairo_image_surface_create(CAIRO_FORMAT_ARGB32, kWidth, kHeight), cairo_surface_destroy);
+  CairoContext context(cairo_create(surface.get()), cairo_destroy);
+  Canvas canvas(context.get());
+  cairo_t* cr = canvas.raw();
+  cairo_set_antialias(cr, CAIRO_ANTIALIAS_GOOD);
+  cairo_font_options_t* font_options = cairo_font_options_create();
+  cairo_font_options_set_antialias(font_options, CAIRO_ANTIALIAS_GRAY);
+  cairo_font_options_set_hint_metrics(font_options, CAIRO_HINT_METRICS_OFF);
+  cairo_set_font_options(cr, font_options);
+  cairo_font_options_destroy(font_options);
+
+  canvas.colour({1.0, 1.0, 1.0});
+  cairo_paint(cr);
+
+  std::set<std::int64_t> budget_set;
+  std::vector<double> values;
+  for (const Series& s : series) {
+    for (const auto& [budget, value] : s.points) {
+      budget_set.insert(budget);
+      values.push_back(value);
+    }
+    if (s.has_reference()) values.push_back(s.reference);
+  }
+  const std::vector<std::int64_t> budgets(budget_set.begin(), budget_set.end());
+  const ValueAxis y_axis = nice_y_axis(values, spec.upper_bound);
+  const double log_lo = std::log2(static_cast<double>(budgets.front()));
+  const double log_hi = std::log2(static_cast<double>(budgets.back()));
+  const double x_pad = budgets.size() == 1 ? 1.0 : std::max(0.25, 0.06 * (log_hi - log_lo));
+
+  std::vector<double> y_ticks;
+  const int tick_count = static_cast<int>(std::llround((y_axis.tick_hi - y_axis.tick_lo) / y_axis.step)) + 1;
+  for (int i = 0; i < tick_count; ++i) {
+    const double tick = y_axis.tick_lo + i * y_axis.step;
+    y_ticks.push_back(std::fabs(tick) < 1e-9 * y_axis.step ? 0.0 : tick);  // never print "-0.00"
+  }
+
+  // Layout: the legend's width follows the longest policy name (within limits), the left margin the
+  // widest y tick label.
+  std::vector<std::string> legend_labels;
+  for (const Series& s : series) legend_labels.push_back(s.points.empty() ? s.policy + " (unbounded)" : s.policy);
+  const double legend_rows_height = kHeight - 72.0 - 62.0;
+  const double row_height = std::min(22.0, legend_rows_height / static_cast<double>(series.size()));
+  const double legend_font = std::clamp(row_height * 0.6, 7.0, 13.0);
+  canvas.font(legend_font);
+  double widest_label = 0.0;
+  for (const std::string& label : legend_labels) widest_label = std::max(widest_label, canvas.text_width(label));
+  const double legend_sample = 34.0;
+  const double legend_width = std::clamp(widest_label + legend_sample + 22.0, 120.0, 230.0);
+
+  canvas.font(12.0);
+  double widest_tick = 0.0;
+  for (double tick : y_ticks) widest_tick = std::max(widest_tick, canvas.text_width(tick_label(tick, y_axis.decimals)));
+
+  const double plot_left = std::round(18.0 + 16.0 + 10.0 + widest_tick + 8.0);
+  const double plot_right = std::round(kWidth - 16.0 - legend_width - 18.0);
+  const double plot_top = subtitle.empty() ? 54.0 : 72.0;
+  const double plot_bottom = kHeight - 62.0;
+  auto x_of = [&](std::int64_t budget) {
+    const double t = (std::log2(static_cast<double>(budget)) - (log_lo - x_pad)) / ((log_hi + x_pad) - (log_lo - x_pad));
+    return plot_left + t * (plot_right - plot_left);
+  };
+  auto y_of = [&](double value) {
+    return plot_bottom - (value - y_axis.view_lo) / (y_axis.view_hi - y_axis.view_lo) * (plot_bottom - plot_top);
+  };
+
+  // Title and subtitle, centred over the plot area.
+  const double centre = (plot_left + plot_right) / 2.0;
+  canvas.colour(kTextColour);
+  canvas.font(17.0, true);
+  const std::string title = fit_text(canvas, spec.title, kWidth - 32.0);
+  const double title_half_width = canvas.text_width(title) / 2.0;
+  canvas.text(title, std::clamp(centre, 16.0 + title_half_width, kWidth - 16.0 - title_half_width), 24.0, 0.5);
+  if (!subtitle.empty()) {
+    canvas.colour(kAxisColour);
+    canvas.font(12.0);
+    canvas.text(fit_text(canvas, subtitle, plot_right - plot_left), centre, 48.0, 0.5);
+  }
+
+  // Grid, ticks and tick labels.
+  canvas.dash({});
+  canvas.font(12.0);
+  for (double tick : y_ticks) {
+    const double y = y_of(tick);
+    canvas.colour(kGridColour);
+    canvas.line(plot_left, y, plot_right, y, 1.0);
+    canvas.colour(kAxisColour);
+    canvas.line(plot_left - 5.0, y, plot_left, y, 1.0);
+    canvas.colour(kTextColour);
+    canvas.text(tick_label(tick, y_axis.decimals), plot_left - 8.0, y, 1.0);
+  }
+  double last_label_right = -std::numeric_limits<double>::infinity();
+  for (const std::int64_t budget : budgets) {
+    const double x = x_of(budget);
+    canvas.colour(kGridColour);
+    canvas.line(x, plot_top, x, plot_bottom, 1.0);
+    canvas.colour(kAxisColour);
+    canvas.line(x, plot_bottom, x, plot_bottom + 5.0, 1.0);
+    // Budgets close together on the log axis would print on top of each other: skip a label that
+    // would touch the previous one (its tick and grid line stay).
+    const std::string label = std::to_string(budget);
+    const double half_width = canvas.text_width(label) / 2.0;
+    if (x - half_width < last_label_right + 6.0) continue;
+    canvas.colour(kTextColour);
+    canvas.text(label, x, plot_bottom + 16.0, 0.5);
+    last_label_right = x + half_width;
+  }
+
+  // Axis labels.
+  canvas.colour(kTextColour);
+  canvas.font(13.0);
+  canvas.text("KV budget M (tokens per layer and KV head, log\u2082 scale)", centre, plot_bottom + 40.0, 0.5);
+  canvas.vertical_text(fit_text(canvas, spec.y_label, plot_bottom - plot_top), 22.0, (plot_top + plot_bottom) / 2.0);
+
+  // Plot frame.
+  canvas.colour(kAxisColour);
+  cairo_set_line_width(cr, 1.0);
+  cairo_rectangle(cr, plot_left + 0.5, plot_top + 0.5, plot_right - plot_left - 1.0, plot_bottom - plot_top - 1.0);
+  cairo_stroke(cr);
+
+  // Reference lines first, so the budgeted lines and their markers draw over them.
+  for (const Series& s : series) {
+    if (!s.has_reference()) continue;
+    canvas.colour(s.style.colour);
+    canvas.dash(kReferenceDash);
+    canvas.line(plot_left + 1.0, y_of(s.reference), plot_right - 1.0, y_of(s.reference), 2.0);
+  }
+  for (const Series& s : series) {
+    if (s.points.empty()) continue;
+    std::vector<std::pair<double, double>> xy;
+    for (const auto& [budget, value] : s.points) xy.emplace_back(x_of(budget), y_of(value));
+    canvas.colour(s.style.colour);
+    canvas.dash(s.style.dash);
+    canvas.polyline(xy, 2.2);
+    for (const auto& [x, y] : xy) canvas.marker(s.style.marker, x, y, 4.5, s.style.colour);
+  }
+
+  // Legend, right of the plot: a sample of each line and the policy name.
+  const double legend_left = plot_right + 18.0;
+  const double legend_top = plot_top;
+  const double legend_height = row_height * static_cast<double>(series.size()) + 12.0;
+  canvas.dash({});
+  canvas.colour({0.98, 0.98, 0.98});
+  cairo_rectangle(cr, legend_left + 0.5, legend_top + 0.5, legend_width - 1.0, legend_height - 1.0);
+  cairo_fill_preserve(cr);
+  canvas.colour(hex(0xBBBBBB));
+  cairo_set_line_width(cr, 1.0);
+  cairo_stroke(cr);
+  canvas.font(legend_font);
+  for (std::size_t i = 0; i < series.size(); ++i) {
+    const Series& s = series[i];
+    const double y = legend_top + 6.0 + row_height * (static_cast<double>(i) + 0.5);
+    const double x0 = legend_left + 10.0;
+    canvas.colour(s.style.colour);
+    if (s.points.empty()) {
+      canvas.dash(kReferenceDash);
+      canvas.line(x0, y, x0 + legend_sample - 6.0, y, 2.0);
+    } else {
+      canvas.dash(s.style.dash);
+      canvas.polyline({{x0, y}, {x0 + legend_sample - 6.0, y}}, 2.2);
+      canvas.marker(s.style.marker, x0 + (legend_sample - 6.0) / 2.0, y, std::min(4.5, row_height * 0.25), s.style.colour);
+    }
+    canvas.colour(kTextColour);
+    canvas.text(fit_text(canvas, legend_labels[i], legend_width - legend_sample - 18.0), x0 + legend_sample, y, 0.0);
+  }
+
+  cairo_surface_flush(surface.get());
+  std::string png;
+  const cairo_status_t status = cairo_surface_write_to_png_stream(surface.get(), append_png_bytes, &png);
+  if (cairo_status(cr) != CAIRO_STATUS_SUCCESS) fail(path, "", std::string("cairo drawing failed: ") + cairo_status_to_string(cairo_status(cr)));
+  if (status != CAIRO_STATUS_SUCCESS) fail(path, "", std::string("PNG encoding failed: ") + cairo_status_to_string(status));
+  return png;
+}
+
+}  // namespace
+
+std::vector<std::string> write_quality_plots(const EvalResults& results, const std::string& out_dir) {
+  // Styles are assigned once over all rows, so a policy looks the same in every plot. `full` is the
+  // reference every reader looks for: it keeps a neutral grey and uses up no palette colour.
+  std::vector<std::string> policies;
+  std::map<std::string, SeriesStyle> styles;
+  std::size_t next_style = 0;
+  for (const ResultRow& row : results.rows) {
+    if (styles.count(row.policy) != 0) continue;
+    policies.push_back(row.policy);
+    styles.emplace(row.policy,
+                   row.policy == "full" ? SeriesStyle{kFullColour, Marker::Circle, {}} : style_for_index(next_style++));
+  }
+
+  std::vector<std::string> written;
+  for (const MetricPlot& spec : metric_plots()) {
+    std::vector<Series> series;
+    bool any_bounded = false;
+    for (const std::string& policy : policies) {
+      Series s{policy, styles.at(policy), {}};
+      for (const ResultRow& row : results.rows) {
+        if (row.policy != policy) continue;
+        const auto value = row.metrics.find(spec.metric);
+        if (value == row.metrics.end() || !std::isfinite(value->second)) continue;
+        if (row.budget == 0) {
+          s.reference = value->second;
+        } else {
+          s.points.emplace_back(row.budget, value->second);
+        }
+      }
+      if (s.points.empty() && !s.has_reference()) continue;
+      std::sort(s.points.begin(), s.points.end());
+      any_bounded = any_bounded || !s.points.empty();
+      series.push_back(std::move(s));
+    }
+    // Without a single bounded value there is nothing to plot against the budget.
+    if (!any_bounded) continue;
+
+    const std::string path = (std::filesystem::path(out_dir) / (std::string(spec.metric) + ".png")).string();
+    std::string subtitle;
+    if (results.meta.is_object() && results.meta.contains("model") && results.meta["model"].is_string()) {
+      subtitle = results.meta["model"].get<std::string>();
+    }
+    write_file_atomic(path, render_plot(spec, series, subtitle, path));
+    written.push_back(path);
+  }
+  return written;
+}
+
+}  // namespace kvbound

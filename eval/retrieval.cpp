@@ -1,0 +1,78 @@
+#include "eval/retrieval.h"
+
+#include <ATen/ops/tensor.h>
+
+#include <cctype>
+#include <random>
+
+#include "checkpoints/errors.h"
+#include "modules/budgeted_cache.h"
+#include "modules/sampler.h"
+
+namespace kvbound {
+
+std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, const TextWindows& text,
+                                                const RetrievalSettings& s) {
+  const std::vector<std::int64_t> intro = tokenizer.encode(
+      "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+      "I will quiz you about the pass key.\n",
+      /*add_bos=*/true);
+  const std::vector<std::int64_t> question = tokenizer.encode("\nWhat is the pass key? The pass key is", false);
+  std::mt19937_64 rng(s.seed);
+  std::vector<RetrievalCase> cases;
+  for (double depth : s.depths) {
+    if (depth < 0 || depth > 1) fail("eval", "retrieval.depths", "each depth must be in [0, 1]");
+    for (std::int64_t i = 0; i < s.samples_per_depth; ++i) {
+      RetrievalCase c;
+      c.depth = depth;
+      c.passkey = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
+      const std::vector<std::int64_t> needle =
+          tokenizer.encode(" The pass key is " + c.passkey + ". Remember it. " + c.passkey + " is the pass key.\n", false);
+      const std::int64_t filler_len = s.context_len - static_cast<std::int64_t>(intro.size() + needle.size() + question.size());
+      if (filler_len < 16)
+        fail("eval", "retrieval.context_len", std::to_string(s.context_len) + " leaves no room for filler text");
+      const std::vector<std::int64_t> filler = text.filler(tokenizer, filler_len, rng());
+      const auto split = static_cast<std::ptrdiff_t>(depth * static_cast<double>(filler_len));
+      c.prompt = intro;
+      c.prompt.insert(c.prompt.end(), filler.begin(), filler.begin() + split);
+      c.prompt.insert(c.prompt.end(), needle.begin(), needle.end());
+      c.prompt.insert(c.prompt.end(), filler.begin() + split, filler.end());
+      c.prompt.insert(c.prompt.end(), question.begin(), question.end());
+      cases.push_back(std::move(c));
+    }
+  }
+  return cases;
+}
+
+std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
+                             std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
+  BudgetedCache budgeted(policy, budget, s.buffer);
+  KVCache cache = model.make_cache();
+  const at::Tensor prompt = at::tensor(c.prompt, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  const std::int64_t T = prompt.size(1);
+  at::Tensor logits;
+  for (std::int64_t start = 0; start < T; start += s.chunk_size) {
+    const at::Tensor hidden = model.forward_hidden(prompt.narrow(1, start, std::min(s.chunk_size, T - start)), cache, &budgeted);
+    logits = model.logits(hidden[0][-1]);
+  }
+  Sampler greedy({});
+  std::vector<std::int64_t> answer;
+  for (std::int64_t i = 0; i < s.answer_tokens; ++i) {
+    const std::int64_t next = greedy.next(logits);
+    if (next == tokenizer.eos_id()) break;
+    answer.push_back(next);
+    const at::Tensor input = at::tensor(std::vector<std::int64_t>{next}, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+    logits = model.logits(model.forward_hidden(input, cache, &budgeted)[0][-1]);
+  }
+  return tokenizer.decode(answer);
+}
+
+bool retrieval_correct(const std::string& answer, const std::string& passkey) {
+  std::size_t i = 0;
+  while (i < answer.size() && !std::isdigit(static_cast<unsigned char>(answer[i]))) ++i;
+  std::size_t j = i;
+  while (j < answer.size() && std::isdigit(static_cast<unsigned char>(answer[j]))) ++j;
+  return j > i && answer.substr(i, j - i) == passkey;
+}
+
+}  // namespace kvbound

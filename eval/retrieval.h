@@ -1,0 +1,42 @@
+// Task (b), synthetic passkey retrieval: a 5-digit pass key is hidden at a chosen depth of real filler
+// text; after the question the model greedily answers under the budget (chunked prefill, then decode).
+// Exact match of the first number in the answer. Deterministic for a seed.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "eval/text_windows.h"
+#include "modules/backbone.h"
+#include "modules/eviction_policy.h"
+
+namespace kvbound {
+
+struct RetrievalSettings {
+  std::int64_t context_len = 512;      // prompt length in tokens
+  std::vector<double> depths = {0.1, 0.5, 0.9};  // where the needle sits, as a fraction of the filler
+  std::int64_t samples_per_depth = 4;
+  std::int64_t chunk_size = 64;
+  std::int64_t buffer = 0;
+  std::int64_t answer_tokens = 8;
+  std::uint64_t seed = 0;
+};
+
+struct RetrievalCase {
+  std::vector<std::int64_t> prompt;
+  std::string passkey;
+  double depth = 0;
+};
+
+std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, const TextWindows& text,
+                                                const RetrievalSettings& settings);
+
+// Greedy answer of the model under `policy` and `budget` for one case (the decoded answer text).
+std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
+                             std::int64_t budget, const RetrievalSettings& settings, const RetrievalCase& c);
+
+// Whether the first run of digits in `answer` is exactly `passkey`.
+bool retrieval_correct(const std::string& answer, const std::string& passkey);
+
+}  // namespace kvbound

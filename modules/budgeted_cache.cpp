@@ -1,0 +1,65 @@
+#include "modules/budgeted_cache.h"
+
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/topk.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "checkpoints/errors.h"
+
+namespace kvbound {
+
+at::Tensor chunk_attention_probs(const AttentionCall& call, const KVCache& cache) {
+  const at::Tensor keys = cache.keys(call.layer);       // [B, Hkv, N, D]
+  const at::Tensor kpos = cache.positions(call.layer);  // [B, Hkv, N]
+  const std::int64_t B = keys.size(0), Hkv = keys.size(1), N = keys.size(2), D = keys.size(3);
+  const std::int64_t T = call.q.size(2), G = call.q.size(1) / Hkv;
+  const at::Tensor q = call.q.reshape({B, Hkv, G, T, D}).to(at::kFloat);
+  at::Tensor logits = at::matmul(q, keys.to(at::kFloat).unsqueeze(2).transpose(-1, -2)) / std::sqrt(double(D));
+  const at::Tensor visible = kpos.view({B, Hkv, 1, 1, N}) <= call.positions.view({1, 1, 1, T, 1});
+  logits = logits.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
+  return at::softmax(logits, -1);
+}
+
+BudgetedCache::BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer)
+    : policy_(policy), budget_(budget), buffer_(buffer) {
+  if (budget < 1) fail("eval", "budget", "must be >= 1, got " + std::to_string(budget));
+  if (buffer < 0) fail("eval", "buffer", "must be >= 0, got " + std::to_string(buffer));
+}
+
+void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
+  const std::int64_t layer = call.layer;
+  PolicyView view;
+  view.layer = layer;
+  view.call = &call;
+  view.cache = &cache;
+  if (policy_.needs_attention()) view.probs = chunk_attention_probs(call, cache);
+  policy_.observe(view);
+
+  const std::int64_t entries = cache.size(layer);
+  peak_entries_ = std::max(peak_entries_, entries);
+  if (static_cast<std::size_t>(layer) >= layer_peak_bytes_.size()) layer_peak_bytes_.resize(static_cast<std::size_t>(layer) + 1, 0);
+  const at::Tensor k = cache.keys(layer);
+  const std::int64_t bytes = 2 * k.numel() * static_cast<std::int64_t>(k.element_size());
+  auto& peak = layer_peak_bytes_[static_cast<std::size_t>(layer)];
+  peak = std::max(peak, bytes);
+
+  if (!policy_.bounded() || entries <= budget_ + buffer_) return;
+  const at::Tensor scores = policy_.score(view);
+  TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
+  // Top-`budget` per (batch, KV head), kept in position order.
+  const at::Tensor keep = std::get<0>(at::sort(std::get<1>(at::topk(scores, budget_, -1)), -1));
+  cache.retain(layer, keep);
+  policy_.retained(layer, keep);
+  ++evictions_;
+}
+
+std::int64_t BudgetedCache::peak_kv_bytes() const {
+  return std::accumulate(layer_peak_bytes_.begin(), layer_peak_bytes_.end(), std::int64_t{0});
+}
+
+}  // namespace kvbound

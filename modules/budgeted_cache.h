@@ -1,0 +1,40 @@
+// The budgeted KV cache: an AttentionHook that, after every chunk's attention in every layer, lets the
+// policy observe the chunk and, when a layer holds more than budget + buffer entries per KV head,
+// cuts it back to the policy's top-`budget` entries. With chunked prefill (chunk C) and decode the
+// cache never holds more than budget + buffer + C entries per layer and KV head.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "modules/backbone.h"
+#include "modules/eviction_policy.h"
+
+namespace kvbound {
+
+class BudgetedCache final : public AttentionHook {
+ public:
+  // budget >= 1 entries per layer and KV head; buffer >= 0 extra entries tolerated before a cut.
+  BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0);
+
+  void after_attention(AttentionCall& call, KVCache& cache) override;
+
+  // Largest number of entries any layer held (per KV head), and the sum over layers of each layer's
+  // peak in bytes (keys + values): what the cache must be able to hold.
+  std::int64_t peak_entries() const { return peak_entries_; }
+  std::int64_t peak_kv_bytes() const;
+  std::int64_t evictions() const { return evictions_; }
+
+ private:
+  EvictionPolicy& policy_;
+  std::int64_t budget_, buffer_;
+  std::int64_t peak_entries_ = 0, evictions_ = 0;
+  std::vector<std::int64_t> layer_peak_bytes_;
+};
+
+// Attention probabilities of the chunk's queries over every cache entry, [B, Hkv, G, T, N] in float32,
+// masked by position (an entry is visible to a query at or after its position).
+at::Tensor chunk_attention_probs(const AttentionCall& call, const KVCache& cache);
+
+}  // namespace kvbound

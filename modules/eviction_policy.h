@@ -1,0 +1,49 @@
+// An eviction policy scores every cached token per (batch, KV head); the budgeted cache keeps the
+// top-M. One file per policy in modules/policies/, one line in the registry (kvpress style).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+#include "modules/backbone.h"
+#include "modules/kv_cache.h"
+
+namespace kvbound {
+
+// What a policy may look at after a chunk's attention in one layer.
+struct PolicyView {
+  std::int64_t layer = 0;
+  const AttentionCall* call = nullptr;  // the chunk: q/k/v [B, H, T, D] (post-RoPE), positions [T]
+  const KVCache* cache = nullptr;       // now holding the older entries followed by the chunk
+  // Attention probabilities of the chunk's queries over the cache entries, [B, Hkv, G, T, N]
+  // (G = query heads per KV head); defined only for policies whose needs_attention() is true.
+  at::Tensor probs;
+};
+
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  // False for `full`: the cache is never cut.
+  virtual bool bounded() const { return true; }
+  // Whether observe() needs PolicyView::probs (computed only then: it costs a T x N matrix per head).
+  virtual bool needs_attention() const { return false; }
+  // Called after every chunk's attention, before any eviction; keeps the policy's running state
+  // aligned with the cache (new entries are always appended at the end).
+  virtual void observe(const PolicyView& view) { (void)view; }
+  // Keep-scores [B, Hkv, N] for the cache entries of view.layer (higher = keep).
+  virtual at::Tensor score(const PolicyView& view) = 0;
+  // The cache kept entries `index` [B, Hkv, M] (sorted) of `layer`: gather per-entry state.
+  virtual void retained(std::int64_t layer, const at::Tensor& index) { (void)layer; (void)index; }
+};
+
+// Settings shared by the heuristics; each policy reads the ones it uses.
+struct PolicyOptions {
+  std::uint64_t seed = 0;
+  std::int64_t sinks = 4;           // streaming_llm: first tokens always kept (attention sinks)
+  std::int64_t recent = 8;          // h2o: most recent tokens always kept
+  std::int64_t snapkv_window = 32;  // snapkv: observation window (last queries)
+  std::int64_t snapkv_pool = 5;     // snapkv: average-pooling kernel over key positions
+};
+
+}  // namespace kvbound

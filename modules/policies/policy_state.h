@@ -1,0 +1,44 @@
+// Helpers shared by the policies that keep per-entry state aligned with the cache.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/gather.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <limits>
+#include <vector>
+
+namespace kvbound::policies {
+
+// One [B, Hkv, N] tensor per layer that follows the cache: grows (zero-filled) as chunks are appended
+// at the end, and is gathered with the cache's retain index.
+class PerEntryState {
+ public:
+  // The state of `layer` extended with zeros to `n` entries (created as zeros like `like` when new).
+  at::Tensor& extend(std::int64_t layer, std::int64_t n, const at::Tensor& like) {
+    if (static_cast<std::size_t>(layer) >= per_layer_.size()) per_layer_.resize(static_cast<std::size_t>(layer) + 1);
+    at::Tensor& s = per_layer_[static_cast<std::size_t>(layer)];
+    if (!s.defined()) s = at::zeros_like(like).narrow(-1, 0, 0);
+    if (s.size(-1) < n) s = at::constant_pad_nd(s, {0, n - s.size(-1)}, 0);
+    return s;
+  }
+  const at::Tensor& get(std::int64_t layer) const { return per_layer_.at(static_cast<std::size_t>(layer)); }
+  void gather(std::int64_t layer, const at::Tensor& index) {
+    at::Tensor& s = per_layer_.at(static_cast<std::size_t>(layer));
+    s = at::gather(s, -1, index);
+  }
+
+ private:
+  std::vector<at::Tensor> per_layer_;
+};
+
+// +inf for the `recent` newest positions (they are always kept), `score` elsewhere.
+inline at::Tensor protect_recent(const at::Tensor& score, const at::Tensor& positions, std::int64_t newest,
+                                 std::int64_t recent) {
+  if (recent <= 0) return score;
+  return at::where(positions > newest - recent, at::full_like(score, std::numeric_limits<double>::infinity()), score);
+}
+
+}  // namespace kvbound::policies

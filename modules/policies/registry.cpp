@@ -1,0 +1,46 @@
+#include "modules/policies/registry.h"
+
+#include <functional>
+#include <map>
+
+#include "checkpoints/errors.h"
+#include "modules/policies/policy_factories.h"
+
+namespace kvbound {
+namespace {
+
+using Factory = std::function<std::unique_ptr<EvictionPolicy>(const PolicyOptions&)>;
+
+const std::map<std::string, Factory>& registry() {
+  static const std::map<std::string, Factory> all = {
+      {"full", policies::make_full},
+      {"random", policies::make_random},
+      {"streaming_llm", policies::make_streaming_llm},
+      {"h2o", policies::make_h2o},
+      {"snapkv", policies::make_snapkv},
+      {"tova", policies::make_tova},
+      {"knorm", policies::make_knorm},
+      {"keydiff", policies::make_keydiff},
+  };
+  return all;
+}
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> make_policy(const std::string& name, const PolicyOptions& options) {
+  const auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::string known;
+    for (const auto& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
+    fail("policy", name, "unknown policy (known: " + known + ")");
+  }
+  return it->second(options);
+}
+
+std::vector<std::string> policy_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, factory] : registry()) names.push_back(name);
+  return names;
+}
+
+}  // namespace kvbound

@@ -1,0 +1,204 @@
+// Every eviction policy over one shared matrix (kvpress style): the cache never exceeds budget + chunk,
+// positions stay sorted, the same seed gives the same logits, and a budget >= the length equals `full`.
+// The attention-based policies' scores equal a brute-force reference from the full attention matrix.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/avg_pool1d.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/triu.h>
+#include <ATen/ops/ones.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "golden_reader.h"
+#include "modules/backbone.h"
+#include "modules/budgeted_cache.h"
+#include "modules/policies/registry.h"
+#include "test_env.h"
+
+using namespace kvbound;
+
+namespace {
+
+struct Fixture {
+  std::unique_ptr<Backbone> model;
+  at::Tensor tokens;  // [1, T]
+};
+
+const Fixture& tiny() {
+  static const Fixture f = [] {
+    Fixture x;
+    const std::string dir = test::test_data("tiny/llama_tied");
+    x.model = Backbone::load(dir, at::kFloat);
+    x.tokens = test::read_golden(dir, "logits").input_ids.narrow(0, 0, 1).narrow(1, 0, 60);
+    return x;
+  }();
+  return f;
+}
+
+// Checks the invariants after every layer's eviction (the peak, M + C, is checked via peak_entries).
+struct InvariantCheck : AttentionHook {
+  BudgetedCache* inner;
+  std::int64_t budget, chunk;
+  bool bounded;
+  void after_attention(AttentionCall& call, KVCache& cache) override {
+    inner->after_attention(call, cache);
+    if (bounded) EXPECT_LE(cache.size(call.layer), budget);  // cut back to M after every chunk
+    const at::Tensor pos = cache.positions(call.layer);
+    if (pos.size(-1) > 1) EXPECT_TRUE((pos.narrow(-1, 1, pos.size(-1) - 1) > pos.narrow(-1, 0, pos.size(-1) - 1)).all().item<bool>());
+  }
+};
+
+// Chunked prefill of the first `prefill` tokens, then token-by-token decode; returns every logit.
+at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
+                      std::uint64_t seed, std::int64_t* peak = nullptr) {
+  const Fixture& f = tiny();
+  PolicyOptions options;
+  options.seed = seed;
+  options.snapkv_window = 6;
+  auto policy = make_policy(name, options);
+  BudgetedCache budgeted(*policy, budget);
+  InvariantCheck check;
+  check.inner = &budgeted;
+  check.budget = budget;
+  check.chunk = chunk;
+  check.bounded = policy->bounded();
+  KVCache cache = f.model->make_cache();
+  std::vector<at::Tensor> out;
+  const std::int64_t T = f.tokens.size(1);
+  for (std::int64_t s = 0; s < prefill; s += chunk)
+    out.push_back(f.model->forward(f.tokens.narrow(1, s, std::min(chunk, prefill - s)), cache, &check));
+  for (std::int64_t t = prefill; t < T; ++t) out.push_back(f.model->forward(f.tokens.narrow(1, t, 1), cache, &check));
+  if (peak) *peak = budgeted.peak_entries();
+  return at::cat(out, 1);
+}
+
+class EveryPolicy : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  }
+};
+
+TEST_P(EveryPolicy, StaysWithinBudgetPlusChunkWithSortedPositions) {
+  std::int64_t peak = 0;
+  run_policy(GetParam(), 8, 5, 33, 1, &peak);
+  if (GetParam() == "full") EXPECT_EQ(peak, 60);
+  else EXPECT_EQ(peak, 8 + 5);
+}
+
+TEST_P(EveryPolicy, SameSeedSameResult) {
+  EXPECT_TRUE(at::equal(run_policy(GetParam(), 8, 4, 20, 7), run_policy(GetParam(), 8, 4, 20, 7)));
+}
+
+TEST_P(EveryPolicy, BudgetAtLeastTheLengthEqualsFull) {
+  const at::Tensor full = run_policy("full", 1000, 7, 30, 0);
+  EXPECT_TRUE(at::equal(run_policy(GetParam(), 60, 7, 30, 3), full));
+}
+
+TEST_P(EveryPolicy, TightBudgetChangesTheOutput) {
+  if (GetParam() == "full") GTEST_SKIP() << "full never evicts";
+  const at::Tensor full = run_policy("full", 1000, 4, 12, 0);
+  EXPECT_GT((run_policy(GetParam(), 6, 4, 12, 3) - full).abs().max().item<double>(), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, EveryPolicy, ::testing::ValuesIn(policy_names()),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// Captures every layer's post-RoPE q and k of one full forward.
+struct Capture : AttentionHook {
+  std::vector<at::Tensor> q, k;
+  void before_attention(AttentionCall& call, KVCache&) override {
+    q.push_back(call.q);
+    k.push_back(call.k);
+  }
+};
+
+// Brute force: the full causal attention matrix of layer `layer`, [Hkv, G, T, T].
+at::Tensor full_attention(const Capture& c, std::int64_t layer, std::int64_t Hkv) {
+  const at::Tensor q = c.q[static_cast<std::size_t>(layer)][0], k = c.k[static_cast<std::size_t>(layer)][0];
+  const std::int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), G = Hq / Hkv;
+  at::Tensor logits = at::matmul(q.reshape({Hkv, G, T, D}), k.unsqueeze(1).transpose(-1, -2)) / std::sqrt(double(D));
+  const at::Tensor future = at::ones({T, T}, at::kBool).triu(1);
+  logits = logits.masked_fill(future, -std::numeric_limits<float>::infinity());
+  return at::softmax(logits, -1);
+}
+
+// Runs `name` with no eviction in chunks of 7 and returns its scores for every layer at the end.
+std::vector<at::Tensor> policy_scores(const std::string& name, Capture* capture, PolicyOptions options = {}) {
+  const Fixture& f = tiny();
+  auto policy = make_policy(name, options);
+  struct ScoreAtEnd : AttentionHook {
+    BudgetedCache* budgeted;
+    EvictionPolicy* policy;
+    std::vector<at::Tensor> scores;
+    void after_attention(AttentionCall& call, KVCache& cache) override {
+      budgeted->after_attention(call, cache);
+      PolicyView v;
+      v.layer = call.layer;
+      v.call = &call;
+      v.cache = &cache;
+      if (policy->needs_attention()) v.probs = chunk_attention_probs(call, cache);
+      scores.push_back(policy->score(v)[0]);
+    }
+  } hook;
+  BudgetedCache budgeted(*policy, 1000);
+  hook.budgeted = &budgeted;
+  hook.policy = policy.get();
+  KVCache cache = f.model->make_cache();
+  const std::int64_t T = f.tokens.size(1);
+  for (std::int64_t s = 0; s < T; s += 7) {
+    hook.scores.clear();
+    f.model->forward(f.tokens.narrow(1, s, std::min<std::int64_t>(7, T - s)), cache, &hook);
+  }
+  KVCache full = f.model->make_cache();
+  f.model->forward(f.tokens, full, capture);
+  return hook.scores;
+}
+
+TEST(PolicyScores, H2OIsMeanReceivedAttention) {
+  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  Capture cap;
+  PolicyOptions o;
+  o.recent = 0;
+  const auto scores = policy_scores("h2o", &cap, o);
+  const std::int64_t T = tiny().tokens.size(1), Hkv = tiny().model->config().num_kv_heads;
+  for (std::int64_t l = 0; l < tiny().model->config().num_layers; ++l) {
+    const at::Tensor A = full_attention(cap, l, Hkv);  // [Hkv, G, T, T]
+    const at::Tensor seen = (T - at::arange(T, at::kDouble)) * A.size(1);
+    const at::Tensor expected = A.sum({1, 2}).to(at::kDouble) / seen;
+    EXPECT_LE((scores[static_cast<std::size_t>(l)] - expected).abs().max().item<double>(), 1e-6) << "layer " << l;
+  }
+}
+
+TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
+  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  Capture cap;
+  const auto scores = policy_scores("tova", &cap);
+  const std::int64_t T = tiny().tokens.size(1), Hkv = tiny().model->config().num_kv_heads;
+  for (std::int64_t l = 0; l < tiny().model->config().num_layers; ++l) {
+    const at::Tensor expected = full_attention(cap, l, Hkv).select(2, T - 1).mean(1);
+    EXPECT_LE((scores[static_cast<std::size_t>(l)] - expected).abs().max().item<double>(), 1e-6) << "layer " << l;
+  }
+}
+
+TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
+  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  Capture cap;
+  PolicyOptions o;
+  o.snapkv_window = 9;  // spans two chunks of 7
+  const auto scores = policy_scores("snapkv", &cap, o);
+  const std::int64_t T = tiny().tokens.size(1), Hkv = tiny().model->config().num_kv_heads;
+  for (std::int64_t l = 0; l < tiny().model->config().num_layers; ++l) {
+    const at::Tensor votes = full_attention(cap, l, Hkv).narrow(2, T - 9, 9).mean({1, 2});  // [Hkv, T]
+    const at::Tensor pooled = at::avg_pool1d(votes.unsqueeze(1), {5}, {1}, {2}).squeeze(1);
+    const at::Tensor s = scores[static_cast<std::size_t>(l)];
+    EXPECT_LE((s.narrow(-1, 0, T - 9) - pooled.narrow(-1, 0, T - 9)).abs().max().item<double>(), 1e-6);
+    EXPECT_TRUE(s.narrow(-1, T - 9, 9).isinf().all().item<bool>());
+  }
+}
+
+}  // namespace

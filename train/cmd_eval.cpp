@@ -1,0 +1,136 @@
+// `kvbound eval CONFIG [--set key=value ...]`: policies x budgets x tasks on one model; writes the
+// resolved config.yaml, results.json, results.md and quality-vs-budget PNG plots into eval.out_dir and
+// prints the Markdown table.
+#include <ATen/Parallel.h>
+
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "checkpoints/errors.h"
+#include "data/tokenizer.h"
+#include "eval/budget_sweep.h"
+#include "eval/plots.h"
+#include "eval/results.h"
+#include "modules/backbone.h"
+#include "modules/policies/registry.h"
+#include "train/commands.h"
+#include "train/config.h"
+
+namespace kvbound {
+namespace {
+
+ConfigSchema eval_schema() {
+  ConfigSchema s;
+  s.add("model.path", ConfigType::String, yaml_quote(default_model_path()), "HF folder or .gguf file")
+      .add("model.tokenizer", ConfigType::String, "\"\"", "tokenizer file (empty: the one beside model.path)")
+      .add("model.dtype", ConfigType::String, "float32", "compute dtype: float32 | bfloat16")
+      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
+      .add_required("eval.text", ConfigType::String, "held-out plain text file (windows and retrieval filler)")
+      .add("eval.policies", ConfigType::StringList,
+           "[full, random, streaming_llm, h2o, snapkv, tova, knorm, keydiff]", "eviction policies to compare")
+      .add("eval.budgets", ConfigType::IntList, "[64, 128, 256]", "KV budgets M (entries per layer and KV head)")
+      .add("eval.tasks", ConfigType::StringList, "[continuation, retrieval]", "continuation and/or retrieval")
+      .add("eval.context_len", ConfigType::Int, "512", "continuation window length in tokens (BOS included)")
+      .add("eval.prefill_len", ConfigType::Int, "384", "tokens prefilled in chunks before teacher-forced decode")
+      .add("eval.score_from", ConfigType::Int, "384", "first scored position (>= prefill_len)")
+      .add("eval.chunk_size", ConfigType::Int, "64", "prefill chunk size C (peak KV = M + buffer + C)")
+      .add("eval.buffer", ConfigType::Int, "0", "extra entries tolerated before the cache is cut back to M")
+      .add("eval.num_windows", ConfigType::Int, "8", "continuation windows (random paragraph starts)")
+      .add("eval.seed", ConfigType::Int, "0", "seed for windows, retrieval cases and random policies")
+      .add("eval.out_dir", ConfigType::String, "runs/eval", "output folder")
+      .add("eval.retrieval.context_len", ConfigType::Int, "512", "passkey prompt length in tokens")
+      .add("eval.retrieval.depths", ConfigType::FloatList, "[0.1, 0.5, 0.9]", "needle depths (fraction of filler)")
+      .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth")
+      .add("policy.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept")
+      .add("policy.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept")
+      .add("policy.snapkv_window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
+      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)");
+  return s;
+}
+
+SweepSettings sweep_settings(const Config& c) {
+  SweepSettings s;
+  s.policies = c.get_string_list("eval.policies");
+  s.budgets = c.get_int_list("eval.budgets");
+  s.run_continuation = s.run_retrieval = false;
+  for (const std::string& task : c.get_string_list("eval.tasks")) {
+    if (task == "continuation") s.run_continuation = true;
+    else if (task == "retrieval") s.run_retrieval = true;
+    else fail("config", "eval.tasks", "unknown task '" + task + "' (continuation, retrieval)");
+  }
+  s.text_path = c.get_string("eval.text");
+  s.context_len = c.get_int("eval.context_len");
+  s.num_windows = c.get_int("eval.num_windows");
+  if (s.num_windows < 1) fail("config", "eval.num_windows", "must be >= 1");
+  s.seed = static_cast<std::uint64_t>(c.get_int("eval.seed"));
+  s.continuation.prefill_len = c.get_int("eval.prefill_len");
+  s.continuation.score_from = c.get_int("eval.score_from");
+  s.continuation.chunk_size = c.get_int("eval.chunk_size");
+  s.continuation.buffer = c.get_int("eval.buffer");
+  s.retrieval.context_len = c.get_int("eval.retrieval.context_len");
+  s.retrieval.depths = c.get_float_list("eval.retrieval.depths");
+  s.retrieval.samples_per_depth = c.get_int("eval.retrieval.samples");
+  s.retrieval.chunk_size = s.continuation.chunk_size;
+  s.retrieval.buffer = s.continuation.buffer;
+  s.retrieval.seed = s.seed;
+  s.policy_options.seed = s.seed;
+  s.policy_options.sinks = c.get_int("policy.sinks");
+  s.policy_options.recent = c.get_int("policy.recent");
+  s.policy_options.snapkv_window = c.get_int("policy.snapkv_window");
+  s.policy_options.snapkv_pool = c.get_int("policy.snapkv_pool");
+  if (s.policy_options.snapkv_pool < 1 || s.policy_options.snapkv_pool % 2 == 0)
+    fail("config", "policy.snapkv_pool", "must be odd and >= 1");
+  return s;
+}
+
+}  // namespace
+
+int cmd_eval(int argc, char** argv) {
+  const std::vector<std::string> overrides = extract_overrides(argc, argv);
+  const ConfigSchema schema = eval_schema();
+  cxxopts::Options o("kvbound eval", "Compare KV eviction policies under budgets. Override any config key with "
+                                     "--set key=value (e.g. --set eval.budgets=[64,128]).");
+  o.add_options()("config", "YAML config (see configs/eval/)", cxxopts::value<std::string>())("h,help", "show help");
+  o.parse_positional({"config"});
+  o.positional_help("CONFIG");
+  const auto r = o.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << o.help() << "\nconfig keys:\n" << schema.describe() << "\n";
+    return 0;
+  }
+  const Config config = Config::load(schema, r.count("config") ? r["config"].as<std::string>() : "", overrides);
+  const SweepSettings settings = sweep_settings(config);
+  const int threads = static_cast<int>(config.get_int("model.threads"));
+  at::set_num_threads(threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+
+  const std::string model_path = config.get_string("model.path");
+  const std::string tok_path =
+      config.get_string("model.tokenizer").empty() ? find_tokenizer_beside(model_path) : config.get_string("model.tokenizer");
+  const auto tokenizer = load_tokenizer(tok_path);
+  const std::string dtype = config.get_string("model.dtype");
+  if (dtype != "float32" && dtype != "bfloat16") fail("config", "model.dtype", "'" + dtype + "' (float32, bfloat16)");
+  const auto model = Backbone::load(model_path, dtype == "float32" ? at::kFloat : at::kBFloat16);
+
+  const std::string out_dir = config.get_string("eval.out_dir");
+  std::filesystem::create_directories(out_dir);
+  config.write(out_dir + "/config.yaml");
+  EvalResults results = run_budget_sweep(*model, *tokenizer, settings);
+  results.meta["model"] = model_path;
+  results.meta["architecture"] = model->config().architecture;
+  results.meta["tokenizer"] = tok_path;
+  results.meta["config_hash"] = config.hash();
+  results.meta["text"] = settings.text_path;
+  write_results_json(results, out_dir + "/results.json");
+  const std::string table = results_markdown(results);
+  write_file_atomic(out_dir + "/results.md", table);
+  const std::vector<std::string> plots = write_quality_plots(results, out_dir);
+  std::cout << table << "\n";
+  std::cerr << "[eval] wrote " << out_dir << "/results.json, results.md";
+  for (const auto& p : plots) std::cerr << ", " << std::filesystem::path(p).filename().string();
+  std::cerr << "\n";
+  return 0;
+}
+
+}  // namespace kvbound
