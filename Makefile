@@ -33,6 +33,7 @@ test: setup-test
 bench: setup-test
 	$(MAKE) build
 	scripts/bench.sh $(BUILD)
+	scripts/bench_decode.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD)

@@ -202,3 +202,23 @@ TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BudgetedCacheEngine, FullThroughTheEngineEqualsOnePlainForwardForAnyChunkSize) {
+  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  const Fixture& f = tiny();
+  KVCache plain = f.model->make_cache();
+  const at::Tensor expected = f.model->forward(f.tokens, plain);
+  for (std::int64_t chunk : {1, 3, 16, 60}) {
+    auto policy = make_policy("full", {});
+    BudgetedCache budgeted(*policy, 4);
+    KVCache cache = f.model->make_cache();
+    std::vector<at::Tensor> out;
+    for (std::int64_t s = 0; s < f.tokens.size(1); s += chunk)
+      out.push_back(f.model->forward(f.tokens.narrow(1, s, std::min(chunk, f.tokens.size(1) - s)), cache, &budgeted));
+    EXPECT_LE((at::cat(out, 1) - expected).abs().max().item<double>(), 1e-5) << "chunk " << chunk;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,84 @@
+// `kvbound eval` end to end on stories260K: every policy x budget lands in results.json with the
+// documented metric names, the table is printed, plots are written, and config errors name the key.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "test_env.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+int run(const std::string& args, std::string* out, std::string* err) {
+  const fs::path err_file = fs::temp_directory_path() / ("kvbound_eval_err_" + std::to_string(::getpid()));
+  FILE* p = ::popen((kvbound::test::kvbound_bin() + " eval " + args + " 2>" + err_file.string()).c_str(), "r");
+  char buf[4096];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out->append(buf, n);
+  const int status = ::pclose(p);
+  std::ifstream in(err_file);
+  err->assign(std::istreambuf_iterator<char>(in), {});
+  fs::remove(err_file);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+class EvalCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = kvbound::test::shared_data("stories260K");
+    text_ = kvbound::test::shared_data("text/tinystories_valid_first794KB_hf.txt");
+    if (!fs::exists(model_ + "/model.safetensors") || !fs::exists(text_)) GTEST_SKIP() << "missing " << model_;
+    dir_ = fs::temp_directory_path() / ("kvbound_eval_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "eval.yaml") << "model:\n  path: " << model_ << "\n  threads: 1\neval:\n  text: " << text_
+                                      << "\n  budgets: [8, 16]\n  context_len: 48\n  prefill_len: 24\n"
+                                         "  score_from: 24\n  chunk_size: 8\n  num_windows: 2\n"
+                                         "  retrieval:\n    context_len: 256\n    depths: [0.5]\n    samples: 1\n";
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  std::string model_, text_;
+  fs::path dir_;
+};
+
+TEST_F(EvalCli, WritesEveryPolicyAndBudget) {
+  std::string out, err;
+  const fs::path results = dir_ / "out";
+  ASSERT_EQ(run((dir_ / "eval.yaml").string() + " --set eval.out_dir=" + results.string(), &out, &err), 0) << err;
+  std::ifstream in(results / "results.json");
+  const auto j = nlohmann::json::parse(in);
+  std::map<std::string, int> rows_per_policy;
+  for (const auto& row : j["rows"]) {
+    ++rows_per_policy[row["policy"].get<std::string>()];
+    for (const char* m : {"nll", "kl_to_full", "top1_agree", "retrieval_acc", "prefill_tok_s", "decode_tok_s", "peak_kv_bytes"})
+      EXPECT_TRUE(row["metrics"].contains(m)) << row.dump();
+    if (row["policy"] == "full") {
+      EXPECT_NEAR(row["metrics"]["kl_to_full"].get<double>(), 0.0, 1e-6);
+      EXPECT_DOUBLE_EQ(row["metrics"]["top1_agree"].get<double>(), 1.0);
+    }
+  }
+  EXPECT_EQ(rows_per_policy.size(), 8u);
+  EXPECT_EQ(rows_per_policy["full"], 1);
+  EXPECT_EQ(rows_per_policy["h2o"], 2);
+  EXPECT_NE(out.find("| h2o |"), std::string::npos) << out;
+  for (const char* f : {"results.md", "config.yaml", "kl_to_full.png", "top1_agree.png", "nll.png", "retrieval_acc.png"})
+    EXPECT_TRUE(fs::exists(results / f)) << f;
+}
+
+TEST_F(EvalCli, UnknownKeyNamesTheClosestOne) {
+  std::string out, err;
+  EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.budgts=[8]", &out, &err), 0);
+  EXPECT_NE(err.find("eval.budgts: unknown key (did you mean eval.budgets?)"), std::string::npos) << err;
+  EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.policies=[h2o,lru]", &out, &err), 0);
+  EXPECT_NE(err.find("lru: unknown policy"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir_ / "runs"));
+}
+
+}  // namespace
