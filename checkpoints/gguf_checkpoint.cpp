@@ -241,6 +241,7 @@ LoadedCheckpoint load_gguf_checkpoint(const std::string& path, at::ScalarType dt
     at::Tensor tensor = decode(file, *infos[i], dtype);
     if (expected[i].permuted_heads > 0) tensor = undo_qk_permutation(tensor, expected[i].permuted_heads);
     checkpoint.tensors.emplace(expected[i].hf_name, std::move(tensor));
+    ++checkpoint.stored_types[ggml_type_name(infos[i]->type)];
   }
   return checkpoint;
 }

@@ -1,4 +1,5 @@
 #include "data/bpe_tokenizer.h"
+#include "data/fnv1a.h"
 
 #include <unicode/bytestream.h>
 #include <unicode/normalizer2.h>
@@ -531,29 +532,6 @@ void encode_plain(const Impl& impl, std::string_view text, EncodeScratch& s, std
 
 // ---------------------------------------------------------------------------------------------
 // Identity: FNV-1a 64 over a canonical serialization.
-
-class Fnv1a {
- public:
-  void add(std::string_view bytes) {
-    add_u64(bytes.size());
-    for (unsigned char b : bytes) byte(b);
-  }
-  void add_u64(std::uint64_t v) {
-    for (int i = 0; i < 8; ++i) byte(static_cast<unsigned char>(v >> (8 * i)));
-  }
-  std::string hex() const {
-    char buf[17];
-    std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(hash_));
-    return buf;
-  }
-
- private:
-  void byte(unsigned char b) {
-    hash_ ^= b;
-    hash_ *= 0x100000001b3ULL;
-  }
-  std::uint64_t hash_ = 0xcbf29ce484222325ULL;
-};
 
 // ---------------------------------------------------------------------------------------------
 // Loading. Every check names the origin and the JSON path of the field.

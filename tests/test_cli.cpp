@@ -96,6 +96,14 @@ TEST(Cli, BadInputIsOneLineNamingTheFile) {
   fs::remove_all(dir);
 }
 
+TEST(Cli, InfoCountsTheGgufQuantTypes) {
+  KVBOUND_REQUIRE_FILE(kvbound::test::default_model());
+  const CliRun r = run("info --model " + quote(kvbound::test::default_model()));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("stored_types      F32 x61 Q4_1 x210 Q8_0 x1\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("parameters        134515008 "), std::string::npos) << r.out;
+}
+
 TEST(Cli, GeneratesWithTheDefaultModel) {
   KVBOUND_REQUIRE_FILE(kvbound::test::default_model());
   const CliRun r = run("generate --model " + quote(kvbound::test::default_model()) +

@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "checkpoints/errors.h"
+#include "data/fnv1a.h"
 
 namespace kvbound {
 namespace {
@@ -544,14 +545,9 @@ std::string Config::to_yaml() const {
 }
 
 std::string Config::hash() const {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : to_yaml()) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ULL;
-  }
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-  return buf;
+  Fnv1a h;
+  h.add_raw(to_yaml());
+  return h.hex();
 }
 
 void Config::write(const std::string& path) const {
