@@ -2,6 +2,7 @@
 // CHUNK under POLICY with BUDGET entries per layer and KV head (ignored by `full`), then decode STEPS
 // tokens one by one. Prints one JSON line.
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/argmax.h>
 #include <ATen/ops/randint.h>
 
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   const long steps = argc > 6 ? std::stol(argv[6]) : 64;
   const long chunk = argc > 7 ? std::stol(argv[7]) : 256;
   at::set_num_threads(threads);
+  const c10::InferenceMode no_autograd;
   const auto model = kvbound::Backbone::load(model_path, at::kFloat);
   auto policy = kvbound::make_policy(policy_name, {});
   kvbound::BudgetedCache budgeted(*policy, budget);

@@ -1,6 +1,7 @@
 // Forward throughput of the C++ backbone: one prompt of T tokens through the full model (prefill),
 // repeated; prints tokens/s and the peak RSS right after loading, as one JSON line.
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/randint.h>
 
 #include <chrono>
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   const int threads = argc > 3 ? std::stoi(argv[3]) : 2;
   const int repeats = argc > 4 ? std::stoi(argv[4]) : 5;
   at::set_num_threads(threads);
+  const c10::InferenceMode no_autograd;
   const auto model = kvbound::Backbone::load(model_path, at::kFloat);
   const long rss_after_load = peak_rss_bytes();
   at::manual_seed(0);

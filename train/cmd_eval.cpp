@@ -2,6 +2,7 @@
 // resolved config.yaml, results.json, results.md and quality-vs-budget PNG plots into eval.out_dir and
 // prints the Markdown table.
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cxxopts.hpp>
 #include <filesystem>
@@ -113,6 +114,7 @@ int cmd_eval(int argc, char** argv) {
   if (dtype != "float32" && dtype != "bfloat16") fail("config", "model.dtype", "'" + dtype + "' (float32, bfloat16)");
   const auto model = Backbone::load(model_path, dtype == "float32" ? at::kFloat : at::kBFloat16);
 
+  const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");
   std::filesystem::create_directories(out_dir);
   config.write(out_dir + "/config.yaml");

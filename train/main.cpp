@@ -1,5 +1,6 @@
 // kvbound command line: one binary, one subcommand per job. Errors print one line and exit non-zero.
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
@@ -105,6 +106,7 @@ int cmd_generate(int argc, char** argv) {
     return 0;
   }
   apply_threads(r["threads"].as<int>());
+  const c10::InferenceMode no_autograd;  // generation never needs gradients: skip autograd bookkeeping
   const std::string model_path = r["model"].as<std::string>();
   const int max_new = r["max-new-tokens"].as<int>();
   if (max_new < 0) fail("--max-new-tokens", "", "must be >= 0");
