@@ -12,6 +12,7 @@
 #include <string>
 
 #include "modules/backbone.h"
+#include "ops/cuda_module.h"
 #include "modules/budgeted_cache.h"
 #include "modules/policies/registry.h"
 
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   const int threads = argc > 5 ? std::stoi(argv[5]) : 2;
   const long steps = argc > 6 ? std::stol(argv[6]) : 64;
   const long chunk = argc > 7 ? std::stol(argv[7]) : 256;
+  kvbound::load_cuda_kernels();
   at::set_num_threads(threads);
   const c10::InferenceMode no_autograd;
   const auto model = kvbound::Backbone::load(model_path, at::kFloat);

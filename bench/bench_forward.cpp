@@ -11,6 +11,7 @@
 #include <string>
 
 #include "modules/backbone.h"
+#include "ops/cuda_module.h"
 
 namespace {
 
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   const long T = argc > 2 ? std::stol(argv[2]) : 512;
   const int threads = argc > 3 ? std::stoi(argv[3]) : 2;
   const int repeats = argc > 4 ? std::stoi(argv[4]) : 5;
+  kvbound::load_cuda_kernels();
   at::set_num_threads(threads);
   const c10::InferenceMode no_autograd;
   const auto model = kvbound::Backbone::load(model_path, at::kFloat);

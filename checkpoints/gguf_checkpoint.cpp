@@ -149,6 +149,8 @@ at::Tensor decode(const GgufFile& file, const GgufTensorInfo& t, at::ScalarType 
   at::parallel_for(0, rows, rows_per_task, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t r = begin; r < end; ++r) dequantize_row(t.type, src + r * row_bytes, row, dst + r * row);
   });
+  // The quantized bytes are not needed again: keep peak memory at the decoded weights, not both.
+  if (file.mapping()) file.mapping()->release(src, static_cast<std::size_t>(t.n_bytes));
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 

@@ -40,6 +40,13 @@ std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
   return std::shared_ptr<const MappedFile>(new MappedFile(path, data, size));
 }
 
+void MappedFile::release(const std::uint8_t* begin, std::size_t size) const {
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto first = (reinterpret_cast<std::uintptr_t>(begin) + page - 1) / page * page;
+  const auto last = (reinterpret_cast<std::uintptr_t>(begin) + size) / page * page;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 MappedFile::~MappedFile() {
   if (data_ != nullptr) ::munmap(const_cast<std::uint8_t*>(data_), size_);
 }

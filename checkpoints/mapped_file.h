@@ -19,6 +19,9 @@ class MappedFile {
   const std::uint8_t* data() const { return data_; }
   std::size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // Drops the resident pages wholly inside [begin, begin + size) (e.g. quantized weights already
+  // decoded into their own memory). Reading them again re-faults them from the file, so views stay valid.
+  void release(const std::uint8_t* begin, std::size_t size) const;
 
  private:
   MappedFile(std::string path, const std::uint8_t* data, std::size_t size)

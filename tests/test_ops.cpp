@@ -4,6 +4,7 @@
 #include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 
+#include "ops/cuda_module.h"
 #include "ops/rms_norm.h"
 
 using namespace kvbound;
@@ -17,6 +18,8 @@ TEST(RmsNormOp, CpuMatchesTheFormula) {
 }
 
 TEST(RmsNormOp, CudaKernelWithinTwiceThePlainError) {
+  std::string why;
+  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     const at::Tensor x64 = at::randn({257, 576}, at::kDouble) * 3;

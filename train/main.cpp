@@ -16,6 +16,7 @@
 #include "data/tokenizer.h"
 #include "modules/backbone.h"
 #include "modules/sampler.h"
+#include "ops/cuda_module.h"
 
 namespace kvbound {
 namespace {
@@ -176,6 +177,7 @@ void print_usage(std::ostream& out) {
 
 int main(int argc, char** argv) {
   using namespace kvbound;
+  load_cuda_kernels();  // a no-op without an NVIDIA driver: CPU runs never load libtorch_cuda
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_usage(argc < 2 ? std::cerr : std::cout);
     return argc < 2 ? 2 : 0;

@@ -1,0 +1,14 @@
+// The CUDA kernels live in a separate module (libkvbound_cuda.so) linked against libtorch_cuda. Loading
+// libtorch_cuda costs ~350 MB of resident memory even on a machine without a GPU, so CPU runs never
+// load it: programs call load_cuda_kernels() at start-up, which loads the module only when an NVIDIA
+// driver (libcuda.so.1) is present.
+#pragma once
+#include <string>
+
+namespace kvbound {
+
+// True when the CUDA kernels are registered (loaded now or before). False, with the reason in
+// `*why` when given, when this build has no CUDA module, no driver is present, or loading failed.
+bool load_cuda_kernels(std::string* why = nullptr);
+
+}  // namespace kvbound
