@@ -32,8 +32,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
               kOpName, ": k and v must be [B, Hkv, T, D] matching q ", q.sizes(), "; got k ", k.sizes(), ", v ",
               v.sizes());
-  TORCH_CHECK(log_beta.size(0) == k.size(0) && log_beta.size(1) == k.size(1) && log_beta.size(2) == k.size(2),
-              kOpName, ": log_beta must be [B, Hkv, T] = ", k.sizes().slice(0, 3), "; got ", log_beta.sizes());
+  TORCH_CHECK(log_beta.size(0) == k.size(0) && log_beta.size(1) == k.size(1) && log_beta.size(2) == k.size(2), kOpName,
+              ": log_beta must be [B, Hkv, T] = ", k.sizes().slice(0, 3), "; got ", log_beta.sizes());
   TORCH_CHECK(q.size(3) > 0, kOpName, ": head_dim must be positive; got q ", q.sizes());
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOpName, ": query heads (", q.size(1),
               ") must be a positive multiple of KV heads (", k.size(1), ")");
@@ -52,7 +52,8 @@ at::ScalarType cpu_compute_type(at::ScalarType dtype) { return dtype == at::kDou
 // b·Hkv + h/group is exactly (b·Hq + h) / group.
 at::Tensor flat_rows(const at::Tensor& x, at::ScalarType compute) {
   const at::Tensor c = x.to(compute).contiguous();
-  return x.dim() == 4 ? c.view({x.size(0) * x.size(1), x.size(2), x.size(3)}) : c.view({x.size(0) * x.size(1), x.size(2)});
+  return x.dim() == 4 ? c.view({x.size(0) * x.size(1), x.size(2), x.size(3)})
+                      : c.view({x.size(0) * x.size(1), x.size(2)});
 }
 
 // Online-softmax forward over key blocks (FlashAttention-2, Alg. 1): per query row keep the running max m
@@ -278,17 +279,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retention_attention_b
 
 using ForwardOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                      const at::Tensor&, int64_t, int64_t);
-using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, int64_t, int64_t);
+using BackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                              const at::Tensor&, const at::Tensor&,
+                                                                              const at::Tensor&, const at::Tensor&,
+                                                                              const at::Tensor&, int64_t, int64_t);
 
 class RetentionAttentionFunction : public torch::autograd::Function<RetentionAttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& log_beta, int64_t query_block, int64_t key_block) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("kvbound::retention_attention_fwd", "")
-                               .typed<ForwardOp>();
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("kvbound::retention_attention_fwd", "").typed<ForwardOp>();
     auto [out, lse] = op.call(q, k, v, log_beta, query_block, key_block);
     ctx->save_for_backward({q, k, v, log_beta, out, lse});
     ctx->saved_data["query_block"] = query_block;
@@ -298,9 +299,8 @@ class RetentionAttentionFunction : public torch::autograd::Function<RetentionAtt
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("kvbound::retention_attention_bwd", "")
-                               .typed<BackwardOp>();
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("kvbound::retention_attention_bwd", "").typed<BackwardOp>();
     const auto saved = ctx->get_saved_variables();
     auto [grad_q, grad_k, grad_v, grad_log_beta] =
         op.call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],

@@ -15,6 +15,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -64,7 +65,8 @@ __device__ void load_rows(float* dst, int pitch, const scalar_t* src, int64_t fi
 // `count` entries of a length-T vector from `first` into shared memory as fp32; past T reads as 0.
 template <typename scalar_t>
 __device__ void load_vector(float* dst, const scalar_t* src, int64_t first, int count, int64_t T) {
-  for (int c = threadIdx.x; c < count; c += blockDim.x) dst[c] = first + c < T ? static_cast<float>(src[first + c]) : 0.f;
+  for (int c = threadIdx.x; c < count; c += blockDim.x)
+    dst[c] = first + c < T ? static_cast<float>(src[first + c]) : 0.f;
 }
 
 // Grid: x = query row b·Hq + h (its KV row is (b·Hq + h)/group), y = block of kRows queries.
@@ -98,9 +100,9 @@ __global__ void __launch_bounds__(kThreads)
     if (t > last || s0 > t) continue;  // warp-uniform
     const int64_t i = s0 + lane;
     const bool visible = i <= t;
-    const float logit = visible ? dot(q_row, k_tile + lane * pitch, D) * scale +
-                                      static_cast<float>(t - i) * beta_tile[lane]
-                                : -INFINITY;
+    const float logit = visible
+                            ? dot(q_row, k_tile + lane * pitch, D) * scale + static_cast<float>(t - i) * beta_tile[lane]
+                            : -INFINITY;
     // Finite: lane 0 holds key s0 ≤ t. The old max is −inf on the first tile, making the rescale 0.
     const float new_max = fmaxf(row_max, warp_max(logit));
     const float p = visible ? expf(logit - new_max) : 0.f;
@@ -131,18 +133,17 @@ __global__ void __launch_bounds__(kThreads)
 // Grid as the forward's.
 template <typename scalar_t, int kDims>
 __global__ void __launch_bounds__(kThreads)
-    grad_q_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ q,
-                  const scalar_t* __restrict__ k, const scalar_t* __restrict__ v,
-                  const scalar_t* __restrict__ log_beta, const float* __restrict__ lse,
+    grad_q_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                  const scalar_t* __restrict__ v, const scalar_t* __restrict__ log_beta, const float* __restrict__ lse,
                   const float* __restrict__ delta, scalar_t* __restrict__ grad_q, int64_t T, int D, int group,
                   float scale) {
   extern __shared__ float smem[];
   const int pitch = D + 1;
-  float* k_tile = smem;                      // [kTile][pitch]
-  float* v_tile = k_tile + kTile * pitch;    // [kTile][pitch]
-  float* beta_tile = v_tile + kTile * pitch; // [kTile]
-  float* q_rows = beta_tile + kTile;         // [kRows][D]
-  float* grad_rows = q_rows + kRows * D;     // [kRows][D]
+  float* k_tile = smem;                       // [kTile][pitch]
+  float* v_tile = k_tile + kTile * pitch;     // [kTile][pitch]
+  float* beta_tile = v_tile + kTile * pitch;  // [kTile]
+  float* q_rows = beta_tile + kTile;          // [kRows][D]
+  float* grad_rows = q_rows + kRows * D;      // [kRows][D]
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t row = blockIdx.x, kv_row = row / group;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRows, t = t0 + warp;
@@ -167,8 +168,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = s0 + lane;
     float dlogit = 0.f;
     if (i <= t) {
-      const float logit =
-          dot(q_row, k_tile + lane * pitch, D) * scale + static_cast<float>(t - i) * beta_tile[lane];
+      const float logit = dot(q_row, k_tile + lane * pitch, D) * scale + static_cast<float>(t - i) * beta_tile[lane];
       dlogit = expf(logit - lse_t) * (dot(grad_row, v_tile + lane * pitch, D) - delta_t);
     }
     for (int j = 0; j < kTile; ++j) {
@@ -198,12 +198,12 @@ __global__ void __launch_bounds__(kThreads)
                    scalar_t* __restrict__ grad_log_beta, int64_t T, int D, int group, float scale) {
   extern __shared__ float smem[];
   const int pitch = D + 1;
-  float* q_tile = smem;                        // [kTile][pitch]
-  float* grad_tile = q_tile + kTile * pitch;   // [kTile][pitch]
-  float* lse_tile = grad_tile + kTile * pitch; // [kTile]
-  float* delta_tile = lse_tile + kTile;        // [kTile]
-  float* k_rows = delta_tile + kTile;          // [kRows][D]
-  float* v_rows = k_rows + kRows * D;          // [kRows][D]
+  float* q_tile = smem;                         // [kTile][pitch]
+  float* grad_tile = q_tile + kTile * pitch;    // [kTile][pitch]
+  float* lse_tile = grad_tile + kTile * pitch;  // [kTile]
+  float* delta_tile = lse_tile + kTile;         // [kTile]
+  float* k_rows = delta_tile + kTile;           // [kRows][D]
+  float* v_rows = k_rows + kRows * D;           // [kRows][D]
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int64_t kv_row = blockIdx.x;
   const int64_t s0 = static_cast<int64_t>(blockIdx.y) * kRows, i = s0 + warp;
@@ -226,8 +226,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t t = u0 + lane;
       float p = 0.f, dlogit = 0.f;
       if (t < T && t >= i) {
-        const float logit =
-            dot(q_tile + lane * pitch, k_row, D) * scale + static_cast<float>(t - i) * beta_i;
+        const float logit = dot(q_tile + lane * pitch, k_row, D) * scale + static_cast<float>(t - i) * beta_i;
         p = expf(logit - lse_tile[lane]);
         dlogit = p * (dot(grad_tile + lane * pitch, v_row, D) - delta_tile[lane]);
         dbeta = fmaf(dlogit, static_cast<float>(t - i), dbeta);
@@ -267,10 +266,14 @@ size_t grad_kv_smem_bytes(int D) { return sizeof(float) * (2 * kTile * (D + 1) +
 // that covers D.
 template <typename F>
 void dispatch_dims_per_lane(int D, F&& f) {
-  if (D <= 1 * kWarpSize) f(std::integral_constant<int, 1>{});
-  else if (D <= 2 * kWarpSize) f(std::integral_constant<int, 2>{});
-  else if (D <= 4 * kWarpSize) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, 8>{});
+  if (D <= 1 * kWarpSize)
+    f(std::integral_constant<int, 1>{});
+  else if (D <= 2 * kWarpSize)
+    f(std::integral_constant<int, 2>{});
+  else if (D <= 4 * kWarpSize)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
 }
 
 // Dynamic shared memory past the default 48 KiB needs an opt-in per kernel.
@@ -285,8 +288,8 @@ void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const at::ScalarType dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "kvbound::retention_attention: the CUDA kernel takes float32, bfloat16 or float16; got ", dtype);
-  TORCH_CHECK(q.size(3) <= kMaxHeadDim, "kvbound::retention_attention: the CUDA kernel takes head_dim <= ",
-              kMaxHeadDim, "; got ", q.size(3));
+  TORCH_CHECK(q.size(3) <= kMaxHeadDim, "kvbound::retention_attention: the CUDA kernel takes head_dim <= ", kMaxHeadDim,
+              "; got ", q.size(3));
   TORCH_CHECK((q.size(2) + kRows - 1) / kRows <= kMaxRowBlocks, "kvbound::retention_attention: T = ", q.size(2),
               " exceeds the CUDA kernel's grid (", kMaxRowBlocks * kRows, ")");
 }
@@ -306,16 +309,17 @@ std::tuple<at::Tensor, at::Tensor> retention_attention_fwd_cuda(const at::Tensor
   const dim3 grid(static_cast<unsigned>(q.size(0) * q.size(1)), static_cast<unsigned>((T + kRows - 1) / kRows));
   const size_t smem = forward_smem_bytes(D);
   AT_DISPATCH_V2(q.scalar_type(), "retention_attention_fwd_cuda", AT_WRAP([&] {
-    dispatch_dims_per_lane(D, [&](auto dims) {
-      const auto kernel = forward_kernel<scalar_t, decltype(dims)::value>;
-      allow_smem(kernel, smem);
-      kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-          qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(), vc.const_data_ptr<scalar_t>(),
-          bc.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(), T, D, group,
-          1.f / std::sqrt(static_cast<float>(D)));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  }), at::kFloat, at::kBFloat16, at::kHalf);
+                   dispatch_dims_per_lane(D, [&](auto dims) {
+                     const auto kernel = forward_kernel<scalar_t, decltype(dims)::value>;
+                     allow_smem(kernel, smem);
+                     kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+                         qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(), vc.const_data_ptr<scalar_t>(),
+                         bc.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), lse.mutable_data_ptr<float>(),
+                         T, D, group, 1.f / std::sqrt(static_cast<float>(D)));
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                   });
+                 }),
+                 at::kFloat, at::kBFloat16, at::kHalf);
   return {out, lse};
 }
 
@@ -332,7 +336,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retention_attention_b
   at::Tensor grad_log_beta = at::empty_like(bc);
   if (q.numel() == 0) return {grad_q, grad_k.zero_(), grad_v.zero_(), grad_log_beta.zero_()};
   // Δ_t = dO_t·O_t, the softmax backward's row term, in fp32: [B, Hq, T].
-  const at::Tensor delta = at::sum(grad.to(at::kFloat) * out.to(at::kFloat), {-1}).contiguous();
+  const at::Tensor delta = at::sum(at::mul(grad.to(at::kFloat), out.to(at::kFloat)), {-1}).contiguous();
   const int64_t T = q.size(2);
   const int D = static_cast<int>(q.size(3)), group = static_cast<int>(q.size(1) / k.size(1));
   const unsigned row_blocks = static_cast<unsigned>((T + kRows - 1) / kRows);
@@ -340,25 +344,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retention_attention_b
   const dim3 kv_grid(static_cast<unsigned>(k.size(0) * k.size(1)), row_blocks);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   AT_DISPATCH_V2(q.scalar_type(), "retention_attention_bwd_cuda", AT_WRAP([&] {
-    dispatch_dims_per_lane(D, [&](auto dims) {
-      const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-      const auto q_kernel = grad_q_kernel<scalar_t, decltype(dims)::value>;
-      allow_smem(q_kernel, grad_q_smem_bytes(D));
-      q_kernel<<<q_grid, kThreads, grad_q_smem_bytes(D), stream>>>(
-          grad.const_data_ptr<scalar_t>(), qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
-          vc.const_data_ptr<scalar_t>(), bc.const_data_ptr<scalar_t>(), lse_f.const_data_ptr<float>(),
-          delta.const_data_ptr<float>(), grad_q.mutable_data_ptr<scalar_t>(), T, D, group, scale);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const auto kv_kernel = grad_kv_kernel<scalar_t, decltype(dims)::value>;
-      allow_smem(kv_kernel, grad_kv_smem_bytes(D));
-      kv_kernel<<<kv_grid, kThreads, grad_kv_smem_bytes(D), stream>>>(
-          grad.const_data_ptr<scalar_t>(), qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
-          vc.const_data_ptr<scalar_t>(), bc.const_data_ptr<scalar_t>(), lse_f.const_data_ptr<float>(),
-          delta.const_data_ptr<float>(), grad_k.mutable_data_ptr<scalar_t>(), grad_v.mutable_data_ptr<scalar_t>(),
-          grad_log_beta.mutable_data_ptr<scalar_t>(), T, D, group, scale);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  }), at::kFloat, at::kBFloat16, at::kHalf);
+                   dispatch_dims_per_lane(D, [&](auto dims) {
+                     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+                     const auto q_kernel = grad_q_kernel<scalar_t, decltype(dims)::value>;
+                     allow_smem(q_kernel, grad_q_smem_bytes(D));
+                     q_kernel<<<q_grid, kThreads, grad_q_smem_bytes(D), stream>>>(
+                         grad.const_data_ptr<scalar_t>(), qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
+                         vc.const_data_ptr<scalar_t>(), bc.const_data_ptr<scalar_t>(), lse_f.const_data_ptr<float>(),
+                         delta.const_data_ptr<float>(), grad_q.mutable_data_ptr<scalar_t>(), T, D, group, scale);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                     const auto kv_kernel = grad_kv_kernel<scalar_t, decltype(dims)::value>;
+                     allow_smem(kv_kernel, grad_kv_smem_bytes(D));
+                     kv_kernel<<<kv_grid, kThreads, grad_kv_smem_bytes(D), stream>>>(
+                         grad.const_data_ptr<scalar_t>(), qc.const_data_ptr<scalar_t>(), kc.const_data_ptr<scalar_t>(),
+                         vc.const_data_ptr<scalar_t>(), bc.const_data_ptr<scalar_t>(), lse_f.const_data_ptr<float>(),
+                         delta.const_data_ptr<float>(), grad_k.mutable_data_ptr<scalar_t>(),
+                         grad_v.mutable_data_ptr<scalar_t>(), grad_log_beta.mutable_data_ptr<scalar_t>(), T, D, group,
+                         scale);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                   });
+                 }),
+                 at::kFloat, at::kBFloat16, at::kHalf);
   return {grad_q, grad_k, grad_v, grad_log_beta};
 }
 

@@ -12,7 +12,7 @@
 namespace kvbound::ops {
 namespace {
 
-constexpr int kThreads = 256;  // positions per block, and the length of the shared tile
+constexpr int kThreads = 256;         // positions per block, and the length of the shared tile
 constexpr int64_t kMaxTiles = 65535;  // gridDim.y limit
 
 template <typename scalar_t>
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kThreads)
     beta_tile[threadIdx.x] = i < T ? static_cast<float>(beta[i]) : 0.f;
     __syncthreads();
     if (t < T) {
-      const int64_t visible = min<int64_t>(kThreads, t - s0 + 1);
+      const int64_t visible = min(static_cast<int64_t>(kThreads), t - s0 + 1);
       for (int c = 0; c < visible; ++c) sum += expf(static_cast<float>(t - s0 - c) * beta_tile[c]);
     }
   }
@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(kThreads)
     grad_tile[threadIdx.x] = t < T ? static_cast<float>(grad_sums[row * T + t]) : 0.f;
     __syncthreads();
     if (i < T) {
-      const int64_t count = min<int64_t>(kThreads, T - t0);
-      for (int r = max<int64_t>(0, i - t0); r < count; ++r) {
+      const int64_t count = min(static_cast<int64_t>(kThreads), T - t0);
+      for (int64_t r = max(static_cast<int64_t>(0), i - t0); r < count; ++r) {
         const float age = static_cast<float>(t0 + r - i);
         acc += grad_tile[r] * age * expf(age * beta_i);
       }
@@ -66,8 +66,9 @@ void check_cuda_input(const at::Tensor& log_beta) {
   const at::ScalarType dtype = log_beta.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "kvbound::retention_sum: the CUDA kernel takes float32, bfloat16 or float16; got ", dtype);
-  TORCH_CHECK((log_beta.size(-1) + kThreads - 1) / kThreads <= kMaxTiles, "kvbound::retention_sum: T = ",
-              log_beta.size(-1), " exceeds the CUDA kernel's grid (", kMaxTiles * kThreads, ")");
+  TORCH_CHECK((log_beta.size(-1) + kThreads - 1) / kThreads <= kMaxTiles,
+              "kvbound::retention_sum: T = ", log_beta.size(-1), " exceeds the CUDA kernel's grid (",
+              kMaxTiles * kThreads, ")");
 }
 
 // Launch geometry: x = row (leading dims flattened), y = tile of kThreads positions.
@@ -83,9 +84,10 @@ at::Tensor retention_sum_fwd_cuda(const at::Tensor& log_beta, int64_t /*block: C
   at::Tensor sums = at::empty_like(beta);
   if (beta.numel() == 0) return sums;
   AT_DISPATCH_V2(beta.scalar_type(), "retention_sum_fwd_cuda", AT_WRAP([&] {
-    retention_sum_fwd_kernel<scalar_t><<<grid_of(beta), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        beta.const_data_ptr<scalar_t>(), sums.mutable_data_ptr<scalar_t>(), beta.size(-1));
-  }), at::kFloat, at::kBFloat16, at::kHalf);
+                   retention_sum_fwd_kernel<scalar_t><<<grid_of(beta), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                       beta.const_data_ptr<scalar_t>(), sums.mutable_data_ptr<scalar_t>(), beta.size(-1));
+                 }),
+                 at::kFloat, at::kBFloat16, at::kHalf);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return sums;
 }
@@ -98,10 +100,11 @@ at::Tensor retention_sum_bwd_cuda(const at::Tensor& grad_sums, const at::Tensor&
   at::Tensor grad_log_beta = at::empty_like(beta);
   if (beta.numel() == 0) return grad_log_beta;
   AT_DISPATCH_V2(beta.scalar_type(), "retention_sum_bwd_cuda", AT_WRAP([&] {
-    retention_sum_bwd_kernel<scalar_t><<<grid_of(beta), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        grad.const_data_ptr<scalar_t>(), beta.const_data_ptr<scalar_t>(), grad_log_beta.mutable_data_ptr<scalar_t>(),
-        beta.size(-1));
-  }), at::kFloat, at::kBFloat16, at::kHalf);
+                   retention_sum_bwd_kernel<scalar_t><<<grid_of(beta), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                       grad.const_data_ptr<scalar_t>(), beta.const_data_ptr<scalar_t>(),
+                       grad_log_beta.mutable_data_ptr<scalar_t>(), beta.size(-1));
+                 }),
+                 at::kFloat, at::kBFloat16, at::kHalf);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return grad_log_beta;
 }

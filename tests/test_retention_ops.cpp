@@ -3,6 +3,7 @@
 // differences in fp64, the closed forms they reduce to, and the memory bound measured with a counting CPU
 // allocator. The CUDA kernels against the same references (skipped without a device).
 #include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/log_sigmoid.h>
 #include <ATen/ops/randn.h>
@@ -16,8 +17,10 @@
 #include <atomic>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "ops/cuda_module.h"
 #include "ops/retention_attention.h"
 #include "ops/retention_sum.h"
 
@@ -39,13 +42,14 @@ AttentionInputs random_inputs(int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int
   const auto opts = at::TensorOptions().dtype(at::kDouble);
   AttentionInputs in{at::randn({B, Hq, T, D}, opts).to(dtype), at::randn({B, Hkv, T, D}, opts).to(dtype),
                      at::randn({B, Hkv, T, D}, opts).to(dtype), random_log_beta({B, Hkv, T}, dtype)};
-  for (at::Tensor& x : {std::ref(in.q), std::ref(in.k), std::ref(in.v), std::ref(in.log_beta)})
-    x.get().requires_grad_(true);
+  for (const at::Tensor& x : in.all()) x.requires_grad_(true);
   return in;
 }
 
 AttentionInputs detached_copy(const AttentionInputs& in, at::ScalarType dtype, at::Device device) {
-  auto copy = [&](const at::Tensor& x) { return x.detach().to(device, dtype).requires_grad_(true); };
+  auto copy = [&](const at::Tensor& x) {
+    return x.detach().to(device, dtype, /*non_blocking=*/false, /*copy=*/true).requires_grad_(true);
+  };
   return {copy(in.q), copy(in.k), copy(in.v), copy(in.log_beta)};
 }
 
@@ -94,8 +98,8 @@ void expect_blocked_matches_reference(const Shape& s, at::ScalarType dtype, doub
   const auto reference = value_and_grads(in, weight, [](const AttentionInputs& x) {
     return ops::retention_attention_reference(x.q, x.k, x.v, x.log_beta);
   });
-  const std::string what = describe(s, dtype) + " blocks " + std::to_string(query_block) + "/" +
-                           std::to_string(key_block);
+  const std::string what =
+      describe(s, dtype) + " blocks " + std::to_string(query_block) + "/" + std::to_string(key_block);
   EXPECT_EQ(blocked.out.scalar_type(), dtype);
   expect_close(blocked.out, reference.out, tol, what + ": out");
   for (int g = 0; g < 4; ++g) expect_close(blocked.grads[g], reference.grads[g], tol, what + ": " + kGradNames[g]);
@@ -170,7 +174,7 @@ TEST(RetentionAttention, CentralDifferencesInDouble) {
 
 TEST(RetentionAttention, ZeroLogBetaIsCausalAttention) {
   at::manual_seed(6);
-  for (const auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}}) {
+  for (const auto& [Hq, Hkv] : std::vector<std::pair<int64_t, int64_t>>{{4, 2}, {3, 3}}) {
     const AttentionInputs in = random_inputs(2, Hq, Hkv, 130, 32, at::kFloat);
     const at::Tensor zero = at::zeros({2, Hkv, 130});
     const at::Tensor expected = at::scaled_dot_product_attention(in.q, in.k, in.v, {}, 0.0, /*is_causal=*/true,
@@ -256,9 +260,7 @@ class CountingCpuAllocator final : public c10::Allocator {
     return {data, new Allocation{std::move(block), bytes, this}, &release, device};
   }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   // Peak bytes alive since the last reset, above what was alive at the reset.
   int64_t peak_since_reset() const { return peak_ - baseline_; }
@@ -337,11 +339,13 @@ TEST(RetentionAttention, BlockedPathNeverAllocatesTimesSquared) {
 }
 
 TEST(RetentionAttentionCuda, MatchesReference) {
+  std::string why;
+  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(10);
   // D = 200 exercises 8 dims per lane, a partial last lane group and more than 48 KiB of shared memory.
-  for (const Shape& s : std::vector<Shape>{{2, 4, 2, 1, 64}, {2, 4, 2, 37, 64}, {1, 6, 2, 300, 128},
-                                           {1, 2, 2, 130, 200}, {1, 3, 1, 77, 24}}) {
+  for (const Shape& s : std::vector<Shape>{
+           {2, 4, 2, 1, 64}, {2, 4, 2, 37, 64}, {1, 6, 2, 300, 128}, {1, 2, 2, 130, 200}, {1, 3, 1, 77, 24}}) {
     const AttentionInputs exact_in = random_inputs(s.B, s.Hq, s.Hkv, s.T, s.D, at::kDouble);
     const at::Tensor weight = at::randn({s.B, s.Hq, s.T, s.D}, at::kDouble);
     const auto exact = value_and_grads(exact_in, weight, [](const AttentionInputs& x) {
@@ -349,9 +353,8 @@ TEST(RetentionAttentionCuda, MatchesReference) {
     });
     for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       const AttentionInputs in = detached_copy(exact_in, dtype, at::kCUDA);
-      const auto kernel = value_and_grads(in, weight, [](const AttentionInputs& x) {
-        return ops::retention_attention(x.q, x.k, x.v, x.log_beta);
-      });
+      const auto kernel = value_and_grads(
+          in, weight, [](const AttentionInputs& x) { return ops::retention_attention(x.q, x.k, x.v, x.log_beta); });
       // FlashAttention's criterion: within twice the error of the plain same-precision formula.
       const auto plain = value_and_grads(in, weight, [](const AttentionInputs& x) {
         return ops::retention_attention_reference(x.q, x.k, x.v, x.log_beta);
@@ -364,13 +367,16 @@ TEST(RetentionAttentionCuda, MatchesReference) {
       }
       EXPECT_LE(max_abs_diff(kernel.out, exact.out), 2 * max_abs_diff(plain.out, exact.out) + 1e-5) << what << ": out";
       for (int g = 0; g < 4; ++g)
-        EXPECT_LE(max_abs_diff(kernel.grads[g], exact.grads[g]), 2 * max_abs_diff(plain.grads[g], exact.grads[g]) + 1e-4)
+        EXPECT_LE(max_abs_diff(kernel.grads[g], exact.grads[g]),
+                  2 * max_abs_diff(plain.grads[g], exact.grads[g]) + 1e-4)
             << what << ": " << kGradNames[g];
     }
   }
 }
 
 TEST(RetentionSumCuda, MatchesReference) {
+  std::string why;
+  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(11);
   for (const int64_t T : {1, 7, 256, 257, 1000}) {
