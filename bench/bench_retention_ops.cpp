@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ops/retention_attention.h"
+#include "tests/counting_allocator.h"
 #include "ops/retention_sum.h"
 
 namespace {
@@ -57,60 +58,11 @@ double best_seconds(const std::function<void()>& run, int repeats) {
   return best;
 }
 
-// Wraps the CPU allocator and tracks the bytes alive through it, and their peak, from every thread.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
-
-  c10::DataPtr allocate(size_t bytes) override {
-    c10::DataPtr block = inner_->allocate(bytes);
-    void* data = block.get();
-    const c10::Device device = block.device();
-    const int64_t live = live_ += static_cast<int64_t>(bytes);
-    for (int64_t peak = peak_; live > peak && !peak_.compare_exchange_weak(peak, live);) {
-    }
-    return {data, new Allocation{std::move(block), bytes, this}, &release, device};
-  }
-
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-
-  int64_t live() const { return live_; }
-  int64_t peak() const { return peak_; }
-  void reset_peak() { peak_ = live_.load(); }
-
- private:
-  struct Allocation {
-    c10::DataPtr block;
-    size_t bytes;
-    CountingCpuAllocator* owner;
-  };
-  static void release(void* ctx) {
-    auto* allocation = static_cast<Allocation*>(ctx);
-    allocation->owner->live_ -= static_cast<int64_t>(allocation->bytes);
-    delete allocation;
-  }
-
-  c10::Allocator* inner_;
-  std::atomic<int64_t> live_{0}, peak_{0};
-};
-
-// Installed for the whole run (before any tensor exists), so every CPU tensor goes through it.
-CountingCpuAllocator& counting_allocator() {
-  static CountingCpuAllocator* counter = [] {
-    auto* allocator = new CountingCpuAllocator(c10::GetDefaultCPUAllocator());
-    c10::SetCPUAllocator(allocator, /*priority=*/100);
-    return allocator;
-  }();
-  return *counter;
-}
-
 // Peak bytes alive while `run` executes, above the bytes alive before it.
 int64_t peak_extra_bytes(const std::function<void()>& run) {
-  CountingCpuAllocator& counter = counting_allocator();
-  const int64_t before = counter.live();
-  counter.reset_peak();
+  const kvbound::test::CountCpuAllocations count;
   run();
-  return counter.peak() - before;
+  return count.peak_bytes();
 }
 
 const AttentionOp kBlocked64 = [](const std::vector<at::Tensor>& x) {
@@ -140,7 +92,6 @@ int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::stoi(argv[1]) : at::get_num_threads();
   const int repeats = argc > 2 ? std::stoi(argv[2]) : 3;
   at::set_num_threads(threads);
-  counting_allocator();
   at::manual_seed(0);
 
   {
