@@ -192,7 +192,9 @@ int main(int argc, char** argv) {
     } catch (const cxxopts::exceptions::exception& e) {
       std::cerr << "kvbound " << name << ": error: " << e.what() << " (see `kvbound " << name << " --help`)\n";
     } catch (const c10::Error& e) {
-      std::cerr << "kvbound " << name << ": error: " << e.what_without_backtrace() << "\n";
+      // ATen messages can span lines (context, hints); the CLI promises one line.
+      const std::string what = e.what_without_backtrace();
+      std::cerr << "kvbound " << name << ": error: " << what.substr(0, what.find('\n')) << "\n";
     } catch (const std::exception& e) {
       std::cerr << "kvbound " << name << ": error: " << e.what() << "\n";
     }
