@@ -10,6 +10,7 @@
 #include <set>
 
 #include "checkpoints/errors.h"
+#include "checkpoints/safetensors_io.h"
 #include "checkpoints/gguf_checkpoint.h"
 #include "checkpoints/mapped_file.h"
 #include "checkpoints/safetensors_format.h"
@@ -40,15 +41,6 @@ T get_or(const json& j, const char* key, T fallback, const std::string& path) {
   }
 }
 
-at::ScalarType torch_dtype(StDtype d) {
-  switch (d) {
-    case StDtype::F32: return at::kFloat;
-    case StDtype::F16: return at::kHalf;
-    case StDtype::BF16: return at::kBFloat16;
-  }
-  return at::kFloat;
-}
-
 // Views every tensor of one safetensors file in place; converts to `dtype` only where they differ,
 // so an F32 file used in F32 is never copied (the mapping lives as long as the tensors).
 void load_safetensors_file(const std::string& path, at::ScalarType dtype, LoadedCheckpoint& ck,
@@ -59,7 +51,7 @@ void load_safetensors_file(const std::string& path, at::ScalarType dtype, Loaded
   for (const auto& [name, info] : header.tensors) {
     if (only != nullptr && !only->count(name)) continue;
     if (out.count(name)) fail(path, name, "tensor appears in more than one shard");
-    const auto src_dtype = torch_dtype(info.dtype);
+    const auto src_dtype = st_torch_dtype(info.dtype);
     const auto elem = st_dtype_size(info.dtype);
     void* ptr = const_cast<std::uint8_t*>(file->data() + info.begin);  // read-only: weights are frozen
     at::Tensor view;

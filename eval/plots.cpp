@@ -12,6 +12,7 @@
 #include <set>
 #include <utility>
 
+#include "checkpoints/atomic_file.h"
 #include "checkpoints/errors.h"
 
 namespace kvbound {

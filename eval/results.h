@@ -62,9 +62,4 @@ EvalResults read_results_json(const std::string& path);
 // values appear in italics under every budget and never compete for bold.
 std::string results_markdown(const EvalResults& results);
 
-// Replaces `path` with `bytes` so that readers see the old file or the whole new one, never a part:
-// writes a temporary file in the same directory, fsyncs it, renames it over `path`, fsyncs the directory.
-// Creates missing parent directories. Throws kvbound::Error naming `path` on failure; no temp file stays.
-void write_file_atomic(const std::string& path, const std::string& bytes);
-
 }  // namespace kvbound

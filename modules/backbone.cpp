@@ -149,8 +149,7 @@ at::Tensor Backbone::rms_norm(const at::Tensor& x, const at::Tensor& weight) con
   return ops::rms_norm(x, weight, config_.rms_norm_eps);
 }
 
-at::Tensor Backbone::activation(const at::Tensor& x) const {
-  const auto& act = config_.hidden_act;
+at::Tensor apply_activation(const std::string& act, const at::Tensor& x) {
   if (act == "silu") return at::silu(x);
   if (act == "gelu") return at::gelu(x);
   if (act == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
@@ -181,6 +180,10 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.q = q * cos + rotate_half(q) * sin;
   call.k = k * cos + rotate_half(k) * sin;
   if (hook) hook->before_attention(call, cache);
+  if (hook && hook->replaces_attention()) {
+    call.output = hook->attend(call);
+    return at::linear(call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim}), L.o_proj);
+  }
 
   const std::int64_t cached = cache.size(layer);
   cache.append(layer, call.k, call.v, positions);
@@ -217,7 +220,7 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
     const Layer& L = layers_[static_cast<std::size_t>(i)];
     h = h + attention(L, i, h, positions, cos, sin, cache, hook);
     const at::Tensor x = rms_norm(h, L.post_norm);
-    h = h + at::linear(activation(at::linear(x, L.gate_proj)) * at::linear(x, L.up_proj), L.down_proj);
+    h = h + at::linear(apply_activation(config_.hidden_act, at::linear(x, L.gate_proj)) * at::linear(x, L.up_proj), L.down_proj);
   }
   cache.advance(T);
   return rms_norm(h, final_norm_);

@@ -33,6 +33,10 @@ class AttentionHook {
   virtual void before_attention(AttentionCall& call, KVCache& cache) { (void)call; (void)cache; }
   // After attention over the cache (which now holds the chunk too); may edit call.output or evict.
   virtual void after_attention(AttentionCall& call, KVCache& cache) { (void)call; (void)cache; }
+  // A hook that replaces attention (training: TRIM-KV's gated attention) computes call.output itself from the
+  // chunk's q/k/v alone; the chunk then never enters the cache, so such forwards see one whole sequence.
+  virtual bool replaces_attention() const { return false; }
+  virtual at::Tensor attend(const AttentionCall& call) { (void)call; return {}; }
 };
 
 class Backbone {
@@ -54,6 +58,8 @@ class Backbone {
   at::Tensor forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const;
   // Logits [B, T, vocab] in float32 for hidden states from forward_hidden.
   at::Tensor logits(const at::Tensor& hidden) const;
+  // The output projection [vocab, hidden] (the embedding when tied): blockwise losses form logits from it.
+  const at::Tensor& lm_head() const { return lm_head_; }
   at::Tensor forward(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const {
     return logits(forward_hidden(tokens, cache, hook));
   }
@@ -65,7 +71,6 @@ class Backbone {
     at::Tensor post_norm, gate_proj, up_proj, down_proj;
   };
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
-  at::Tensor activation(const at::Tensor& x) const;
   at::Tensor attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, AttentionHook* hook) const;
 
@@ -76,6 +81,10 @@ class Backbone {
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<Layer> layers_;
 };
+
+// The MLP activation named by a config's hidden_act (silu, gelu, gelu_pytorch_tanh, relu): the backbone's
+// MLP and the retention gates use it.
+at::Tensor apply_activation(const std::string& hidden_act, const at::Tensor& x);
 
 // The RoPE inverse frequencies [D/2] (float32) for a config, Llama-3 scaling included.
 at::Tensor rope_inverse_frequencies(const ModelConfig& config);

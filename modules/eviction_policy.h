@@ -4,12 +4,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "modules/backbone.h"
 #include "modules/kv_cache.h"
 
 namespace kvbound {
+
+class RetentionGates;
 
 // What a policy may look at after a chunk's attention in one layer.
 struct PolicyView {
@@ -44,6 +47,8 @@ struct PolicyOptions {
   std::int64_t recent = 8;          // h2o: most recent tokens always kept
   std::int64_t snapkv_window = 32;  // snapkv: observation window (last queries)
   std::int64_t snapkv_pool = 5;     // snapkv: average-pooling kernel over key positions
+  // trimkv: the trained retention gates (an export loaded by the command, or a trainer's live gates).
+  std::shared_ptr<const RetentionGates> trimkv_gates;
 };
 
 }  // namespace kvbound

@@ -15,16 +15,7 @@ namespace fs = std::filesystem;
 namespace {
 
 int run(const std::string& args, std::string* out, std::string* err) {
-  const fs::path err_file = fs::temp_directory_path() / ("kvbound_eval_err_" + std::to_string(::getpid()));
-  FILE* p = ::popen((kvbound::test::kvbound_bin() + " eval " + args + " 2>" + err_file.string()).c_str(), "r");
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out->append(buf, n);
-  const int status = ::pclose(p);
-  std::ifstream in(err_file);
-  err->assign(std::istreambuf_iterator<char>(in), {});
-  fs::remove(err_file);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return kvbound::test::run_kvbound("eval " + args, out, err);
 }
 
 class EvalCli : public ::testing::Test {

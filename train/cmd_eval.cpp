@@ -9,13 +9,16 @@
 #include <iostream>
 #include <thread>
 
+#include "checkpoints/atomic_file.h"
 #include "checkpoints/errors.h"
+#include "checkpoints/safetensors_io.h"
 #include "data/tokenizer.h"
 #include "eval/budget_sweep.h"
 #include "eval/plots.h"
 #include "eval/results.h"
 #include "modules/backbone.h"
 #include "modules/policies/registry.h"
+#include "modules/retention_gate.h"
 #include "train/commands.h"
 #include "train/config.h"
 
@@ -47,7 +50,8 @@ ConfigSchema eval_schema() {
       .add("policy.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept")
       .add("policy.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept")
       .add("policy.snapkv_window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
-      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)");
+      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
+      .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)");
   return s;
 }
 
@@ -102,7 +106,7 @@ int cmd_eval(int argc, char** argv) {
     return 0;
   }
   const Config config = Config::load(schema, r.count("config") ? r["config"].as<std::string>() : "", overrides);
-  const SweepSettings settings = sweep_settings(config);
+  SweepSettings settings = sweep_settings(config);
   const int threads = static_cast<int>(config.get_int("model.threads"));
   at::set_num_threads(threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
@@ -113,6 +117,12 @@ int cmd_eval(int argc, char** argv) {
   const std::string dtype = config.get_string("model.dtype");
   if (dtype != "float32" && dtype != "bfloat16") fail("config", "model.dtype", "'" + dtype + "' (float32, bfloat16)");
   const auto model = Backbone::load(model_path, dtype == "float32" ? at::kFloat : at::kBFloat16);
+  const std::string gates_path = config.get_string("trimkv.gates");
+  if (!gates_path.empty()) {
+    // Shapes are checked against this backbone here, before any evaluation work.
+    settings.policy_options.trimkv_gates = std::make_shared<const RetentionGates>(
+        RetentionGates::from_tensors(read_safetensors(gates_path).tensors, model->config(), gates_path));
+  }
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");
@@ -124,6 +134,7 @@ int cmd_eval(int argc, char** argv) {
   results.meta["tokenizer"] = tok_path;
   results.meta["config_hash"] = config.hash();
   results.meta["text"] = settings.text_path;
+  if (!gates_path.empty()) results.meta["trimkv_gates"] = gates_path;
   write_results_json(results, out_dir + "/results.json");
   const std::string table = results_markdown(results);
   write_file_atomic(out_dir + "/results.md", table);

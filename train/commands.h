@@ -10,5 +10,7 @@ std::string default_model_path();
 
 int cmd_prepare(int argc, char** argv);  // train/cmd_prepare.cpp
 int cmd_eval(int argc, char** argv);     // train/cmd_eval.cpp
+int cmd_train(int argc, char** argv);    // train/cmd_train.cpp
+int cmd_export(int argc, char** argv);   // train/cmd_export.cpp
 
 }  // namespace kvbound

@@ -21,6 +21,7 @@ const std::map<std::string, Factory>& registry() {
       {"tova", policies::make_tova},
       {"knorm", policies::make_knorm},
       {"keydiff", policies::make_keydiff},
+      {"trimkv", policies::make_trimkv},
   };
   return all;
 }

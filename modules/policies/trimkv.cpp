@@ -1,0 +1,45 @@
+// trimkv (Bui et al., 2025, "Cache What Lasts: Token Retention for Memory-Bounded KV Cache in LLMs"): each
+// token gets a retention score log β_i per KV head from the layer's trained gate when it is written; at
+// step t its keep-score is (t − pos_i)·log β_i = log β_i^(t−pos_i), its exponentially decayed importance.
+// No attention is needed, and the newest tokens score 0 (the maximum), so they are always kept.
+#include <ATen/ops/sub.h>
+
+#include "checkpoints/errors.h"
+#include "modules/policies/policy_factories.h"
+#include "modules/policies/policy_state.h"
+#include "modules/retention_gate.h"
+
+namespace kvbound::policies {
+namespace {
+
+class TrimKV final : public EvictionPolicy {
+ public:
+  explicit TrimKV(std::shared_ptr<const RetentionGates> gates) : gates_(std::move(gates)) {}
+
+  void observe(const PolicyView& v) override {
+    const std::int64_t n = v.cache->size(v.layer), t = v.call->positions.size(0);
+    const at::Tensor kpos = v.cache->positions(v.layer);
+    at::Tensor& log_beta = log_beta_.extend(v.layer, n, kpos.to(at::kDouble));
+    log_beta.narrow(-1, n - t, t).copy_(gates_->log_beta(v.layer, v.call->normed_input));
+  }
+
+  at::Tensor score(const PolicyView& v) override {
+    const at::Tensor age = v.call->positions[-1].to(at::kDouble) - v.cache->positions(v.layer).to(at::kDouble);
+    return age * log_beta_.get(v.layer);
+  }
+
+  void retained(std::int64_t layer, const at::Tensor& index) override { log_beta_.gather(layer, index); }
+
+ private:
+  std::shared_ptr<const RetentionGates> gates_;
+  PerEntryState log_beta_;
+};
+
+}  // namespace
+
+std::unique_ptr<EvictionPolicy> make_trimkv(const PolicyOptions& o) {
+  if (!o.trimkv_gates) fail("config", "trimkv.gates", "policy trimkv needs a gates file (kvbound export RUN_DIR --out FILE)");
+  return std::make_unique<TrimKV>(o.trimkv_gates);
+}
+
+}  // namespace kvbound::policies

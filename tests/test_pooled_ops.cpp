@@ -1,0 +1,418 @@
+// IndexMem ops (ops/pooled_attention_importance.h, ops/pooled_index_score.h): the blocked CPU kernels against
+// the naive ATen references for every pool mode, window and gap, GQA and a shared index key, T not a multiple
+// of the blocks, relu on/off (values and gradients, fp32 and fp64); invalid keys; central differences in
+// fp64; and the memory bound measured with the counting CPU allocator.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/where.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops/pooled_attention_importance.h"
+#include "ops/pooled_index_score.h"
+#include "tests/counting_allocator.h"
+
+using namespace kvbound;
+using ops::PoolMode;
+
+namespace {
+
+const PoolMode kPools[] = {PoolMode::Mean, PoolMode::Max, PoolMode::LogSumExp};
+const char* name_of(PoolMode pool) {
+  return pool == PoolMode::Mean ? "mean" : pool == PoolMode::Max ? "max" : "logsumexp";
+}
+
+// The sweep every reference comparison runs: all later queries, a window shorter and one longer than some
+// T, with and without a gap; T = 1, T < block and T not a multiple of either block.
+const int64_t kWindows[] = {0, 5, 32};
+const int64_t kGaps[] = {0, 3};
+const int64_t kLengths[] = {1, 7, 63, 130};
+
+double max_abs(const at::Tensor& x) { return x.numel() == 0 ? 0.0 : x.abs().max().item<double>(); }
+
+// |a − b| ≤ tol·max(1, |b|∞) over the entries where `mask` is true (all if undefined).
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, double tol, const std::string& what,
+                  const at::Tensor& mask = {}) {
+  at::Tensor a = actual.detach().to(at::kDouble), b = expected.detach().to(at::kDouble);
+  if (mask.defined()) a = a.masked_select(mask), b = b.masked_select(mask);
+  EXPECT_LE(max_abs(a - b), tol * std::max(1.0, max_abs(b))) << what;
+}
+
+std::string describe(PoolMode pool, int64_t window, int64_t min_gap, int64_t T, at::ScalarType dtype) {
+  return std::string(name_of(pool)) + " window=" + std::to_string(window) + " min_gap=" + std::to_string(min_gap) +
+         " T=" + std::to_string(T) + " " + c10::toString(dtype);
+}
+
+at::Tensor randn(at::IntArrayRef sizes, at::ScalarType dtype) { return at::randn(sizes, at::kDouble).to(dtype); }
+
+struct IndexInputs {
+  at::Tensor qI, kI, w;
+  std::vector<at::Tensor> all() const { return {qI, kI, w}; }
+};
+
+// w = sigmoid(N(0, 1)), like the indexer's head weights.
+IndexInputs random_index_inputs(int64_t B, int64_t Hq, int64_t Hk, int64_t T, int64_t d, at::ScalarType dtype) {
+  IndexInputs in{randn({B, Hq, T, d}, dtype), randn({B, Hk, T, d}, dtype),
+                 at::sigmoid(at::randn({B, Hq, T}, at::kDouble)).to(dtype)};
+  for (const at::Tensor& x : in.all()) x.requires_grad_(true);
+  return in;
+}
+
+const char* const kGradNames[] = {"grad qI", "grad kI", "grad w"};
+
+// The loss Σ z·weight over the valid keys (z is −inf elsewhere) and its gradients.
+struct ValueAndGrads {
+  at::Tensor z;
+  std::vector<at::Tensor> grads;
+};
+
+template <typename Op>
+ValueAndGrads value_and_grads(const IndexInputs& in, const at::Tensor& weight, const at::Tensor& valid, Op op) {
+  const at::Tensor z = op(in);
+  const at::Tensor loss = (at::where(valid, z, 0.0) * weight).sum();
+  return {z.detach(), torch::autograd::grad({loss}, in.all())};
+}
+
+// The call throws a c10::Error whose message contains `text`.
+template <typename Call>
+void expect_error_containing(Call call, const std::string& text) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one containing: " << text;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(PooledWindow, ValidKeysAndPoolNames) {
+  // Ω(t) = [max(t + min_gap, T − window), T): only min_gap can empty it.
+  const at::Tensor valid = ops::pooled_valid_keys(10, 3, 2);
+  EXPECT_EQ(valid.scalar_type(), at::kBool);
+  EXPECT_TRUE(at::equal(valid, at::arange(10) < 8));
+  EXPECT_TRUE(ops::pooled_valid_keys(10, 0, 0).all().item<bool>());
+  EXPECT_FALSE(ops::pooled_valid_keys(10, 4, 10).any().item<bool>());
+  const ops::PoolWindow omega{10, 3, 2};
+  EXPECT_EQ(omega.start(0), 7);
+  EXPECT_EQ(omega.start(6), 8);
+  EXPECT_EQ(omega.size(8), 0);
+  EXPECT_EQ(omega.keys_seen_by(6, 0, 10), 0);  // before the window
+  EXPECT_EQ(omega.keys_seen_by(9, 0, 10), 8);  // keys 0..7
+
+  EXPECT_EQ(ops::parse_pool_mode("logsumexp"), PoolMode::LogSumExp);
+  expect_error_containing([] { ops::parse_pool_mode("median"); }, "'median'; expected one of: mean, max, logsumexp");
+}
+
+TEST(PooledAttentionImportance, BlockedMatchesReference) {
+  at::manual_seed(1);
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-12;
+    for (const auto& [Hq, Hkv] : std::vector<std::pair<int64_t, int64_t>>{{4, 2}, {3, 1}}) {
+      for (const int64_t T : kLengths) {
+        const at::Tensor q = randn({2, Hq, T, 16}, dtype), k = randn({2, Hkv, T, 16}, dtype);
+        for (const PoolMode pool : kPools) {
+          for (const int64_t window : kWindows) {
+            for (const int64_t min_gap : kGaps) {
+              const std::string what = describe(pool, window, min_gap, T, dtype) + " Hq=" + std::to_string(Hq);
+              const at::Tensor expected = ops::pooled_attention_importance_reference(q, k, pool, window, min_gap);
+              const at::Tensor invalid = ops::pooled_valid_keys(T, window, min_gap).logical_not();
+              for (const auto& [qb, kb] : std::vector<std::pair<int64_t, int64_t>>{{16, 32}, {32, 16}}) {
+                const at::Tensor a = ops::pooled_attention_importance(q, k, pool, window, min_gap, qb, kb);
+                EXPECT_EQ(a.scalar_type(), dtype) << what;
+                EXPECT_EQ(a.sizes(), k.sizes().slice(0, 3)) << what;
+                expect_close(a, expected, tol, what);
+                EXPECT_TRUE(a.masked_select(invalid).eq(0).all().item<bool>()) << what << ": invalid keys not 0";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PooledAttentionImportance, OneQueryWindowIsLastRowAttention) {
+  // window = 1: every pool of one probability is that probability, A_h[T−1, t] averaged over the group.
+  at::manual_seed(2);
+  const int64_t T = 37;
+  const at::Tensor q = at::randn({1, 4, T, 8}, at::kDouble), k = at::randn({1, 2, T, 8}, at::kDouble);
+  const at::Tensor last =
+      at::softmax(at::matmul(q.narrow(2, T - 1, 1), k.repeat_interleave(2, 1).transpose(-2, -1)) / std::sqrt(8.0), -1);
+  const at::Tensor expected = last.squeeze(2).view({1, 2, 2, T}).mean(2);
+  for (const PoolMode pool : {PoolMode::Mean, PoolMode::Max}) {
+    expect_close(ops::pooled_attention_importance(q, k, pool, 1, 0, 8, 8), expected, 1e-12, name_of(pool));
+    expect_close(ops::pooled_attention_importance_reference(q, k, pool, 1, 0), expected, 1e-12, name_of(pool));
+  }
+  // logsumexp of one probability: log exp(A) = A.
+  expect_close(ops::pooled_attention_importance(q, k, PoolMode::LogSumExp, 1, 0), expected, 1e-12, "logsumexp");
+  // A gap at least T empties every window: all zero.
+  EXPECT_TRUE(ops::pooled_attention_importance(q, k, PoolMode::Mean, 0, T).eq(0).all().item<bool>());
+}
+
+TEST(PooledAttentionImportance, NoGradientAndFloatTargetsForHalfInputs) {
+  at::manual_seed(3);
+  const at::Tensor q = at::randn({1, 4, 50, 16}).requires_grad_(true), k = at::randn({1, 2, 50, 16});
+  const at::Tensor a = ops::pooled_attention_importance(q, k, PoolMode::Mean, 32, 0);
+  EXPECT_FALSE(a.requires_grad());
+  // bf16 inputs are computed in float32 and the targets stay float32.
+  const at::Tensor half =
+      ops::pooled_attention_importance(q.detach().to(at::kBFloat16), k.to(at::kBFloat16), PoolMode::Mean, 32, 0);
+  EXPECT_EQ(half.scalar_type(), at::kFloat);
+  expect_close(half,
+               ops::pooled_attention_importance(q.detach().to(at::kBFloat16).to(at::kFloat),
+                                                k.to(at::kBFloat16).to(at::kFloat), PoolMode::Mean, 32, 0),
+               1e-6, "bf16");
+}
+
+TEST(PooledIndexScore, BlockedMatchesReference) {
+  // Values and the gradients of Σ z·weight over valid keys, against autograd through the reference.
+  at::manual_seed(4);
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const double value_tol = dtype == at::kFloat ? 1e-5 : 1e-12, grad_tol = dtype == at::kFloat ? 1e-4 : 1e-10;
+    // fp32 uses 16×32 tiles, fp64 32×16: both straddle each other and T.
+    const int64_t qb = dtype == at::kFloat ? 16 : 32, kb = dtype == at::kFloat ? 32 : 16;
+    for (const int64_t Hk : {2, 1}) {  // per-KV-head keys (GQA, 2 heads per key) and one shared key
+      for (const int64_t T : kLengths) {
+        const IndexInputs in = random_index_inputs(2, 4, Hk, T, 16, dtype);
+        const at::Tensor weight = randn({2, Hk, T}, dtype);
+        for (const bool relu : {false, true}) {
+          for (const PoolMode pool : kPools) {
+            for (const int64_t window : kWindows) {
+              for (const int64_t min_gap : kGaps) {
+                const std::string what = describe(pool, window, min_gap, T, dtype) + " Hk=" + std::to_string(Hk) +
+                                         (relu ? " relu" : " identity");
+                const at::Tensor valid = ops::pooled_valid_keys(T, window, min_gap);
+                const auto blocked = value_and_grads(in, weight, valid, [&](const IndexInputs& x) {
+                  return ops::pooled_index_score(x.qI, x.kI, x.w, pool, window, min_gap, relu, qb, kb);
+                });
+                const auto reference = value_and_grads(in, weight, valid, [&](const IndexInputs& x) {
+                  return ops::pooled_index_score_reference(x.qI, x.kI, x.w, pool, window, min_gap, relu);
+                });
+                EXPECT_EQ(blocked.z.scalar_type(), dtype) << what;
+                EXPECT_EQ(blocked.z.sizes(), in.kI.sizes().slice(0, 3)) << what;
+                expect_close(blocked.z, reference.z, value_tol, what + ": z", valid.expand_as(blocked.z));
+                EXPECT_TRUE(blocked.z.masked_select(valid.logical_not()).eq(-INFINITY).all().item<bool>())
+                    << what << ": invalid keys not −inf";
+                for (int g = 0; g < 3; ++g) {
+                  EXPECT_TRUE(at::isfinite(blocked.grads[g]).all().item<bool>()) << what << ": " << kGradNames[g];
+                  expect_close(blocked.grads[g], reference.grads[g], grad_tol, what + ": " + kGradNames[g]);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PooledIndexScore, OddBlocksMatchReference) {
+  // 1×1 tiles make every key its own accumulator chain; tiles larger than T a single tile.
+  at::manual_seed(5);
+  const IndexInputs in = random_index_inputs(1, 4, 2, 19, 8, at::kDouble);
+  const at::Tensor weight = randn({1, 2, 19}, at::kDouble);
+  const at::Tensor valid = ops::pooled_valid_keys(19, 6, 2);
+  for (const auto& [qb, kb] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {3, 7}, {128, 128}}) {
+    for (const PoolMode pool : kPools) {
+      for (const bool relu : {false, true}) {
+        const std::string what = std::string(name_of(pool)) + " blocks " + std::to_string(qb) + "/" +
+                                 std::to_string(kb) + (relu ? " relu" : "");
+        const auto blocked = value_and_grads(in, weight, valid, [&](const IndexInputs& x) {
+          return ops::pooled_index_score(x.qI, x.kI, x.w, pool, 6, 2, relu, qb, kb);
+        });
+        const auto reference = value_and_grads(in, weight, valid, [&](const IndexInputs& x) {
+          return ops::pooled_index_score_reference(x.qI, x.kI, x.w, pool, 6, 2, relu);
+        });
+        expect_close(blocked.z, reference.z, 1e-12, what, valid.expand_as(blocked.z));
+        for (int g = 0; g < 3; ++g) expect_close(blocked.grads[g], reference.grads[g], 1e-10, what + kGradNames[g]);
+      }
+    }
+  }
+}
+
+TEST(PooledIndexScore, OneQueryWindowIsTheLastQuerysScore) {
+  // window = 1: z[g, t] = I_g[T−1, t] = Σ_{h∈g} w[h, T−1]·act(qI[h, T−1]·kI[g, t])/√dI, for every pool.
+  at::manual_seed(6);
+  const int64_t T = 23, d = 8;
+  const IndexInputs in = random_index_inputs(1, 4, 2, T, d, at::kDouble);
+  for (const bool relu : {false, true}) {
+    at::Tensor products = at::matmul(in.qI.narrow(2, T - 1, 1), in.kI.repeat_interleave(2, 1).transpose(-2, -1));
+    if (relu) products = products.clamp_min(0);
+    const at::Tensor expected =
+        (products.squeeze(2) * in.w.narrow(2, T - 1, 1)).view({1, 2, 2, T}).sum(2).detach() / std::sqrt(double(d));
+    for (const PoolMode pool : kPools) {
+      expect_close(ops::pooled_index_score(in.qI, in.kI, in.w, pool, 1, 0, relu, 8, 8), expected, 1e-12, name_of(pool));
+      expect_close(ops::pooled_index_score_reference(in.qI, in.kI, in.w, pool, 1, 0, relu), expected, 1e-12,
+                   name_of(pool));
+    }
+  }
+}
+
+TEST(PooledIndexScore, InvalidKeysGetNoGradient) {
+  // z is constant (−inf) where Ω(t) is empty: whatever gradient arrives there, even NaN, changes nothing.
+  at::manual_seed(7);
+  const int64_t T = 20;
+  const IndexInputs in = random_index_inputs(1, 4, 2, T, 8, at::kDouble);
+  for (const int64_t min_gap : {5, 25}) {  // 5 invalid keys; every key invalid
+    const at::Tensor valid = ops::pooled_valid_keys(T, 8, min_gap);
+    const at::Tensor grad = at::where(valid, at::randn({1, 2, T}, at::kDouble), NAN);
+    for (const PoolMode pool : kPools) {
+      for (const bool relu : {false, true}) {
+        const std::string what = std::string(name_of(pool)) + " min_gap=" + std::to_string(min_gap);
+        const at::Tensor z = ops::pooled_index_score(in.qI, in.kI, in.w, pool, 8, min_gap, relu, 4, 4);
+        EXPECT_TRUE(z.masked_select(valid.logical_not()).eq(-INFINITY).all().item<bool>()) << what;
+        EXPECT_TRUE(at::isfinite(z.masked_select(valid)).all().item<bool>()) << what;
+        const auto grads = torch::autograd::grad({z}, in.all(), {grad});
+        const auto clean =
+            torch::autograd::grad({ops::pooled_index_score(in.qI, in.kI, in.w, pool, 8, min_gap, relu, 4, 4)}, in.all(),
+                                  {at::where(valid, grad, 0.0)});
+        for (int g = 0; g < 3; ++g) {
+          EXPECT_TRUE(at::equal(grads[g], clean[g])) << what << ": " << kGradNames[g];
+          if (min_gap >= T) {
+            EXPECT_TRUE(grads[g].eq(0).all().item<bool>()) << what << ": " << kGradNames[g];
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PooledIndexScore, CentralDifferencesInDouble) {
+  // Every element of qI, kI, w: (L(x + ε) − L(x − ε)) / 2ε against the analytic gradient, L = Σ_valid z·weight.
+  at::manual_seed(8);
+  const int64_t T = 9, window = 6, min_gap = 1;
+  const IndexInputs in = random_index_inputs(1, 4, 2, T, 4, at::kDouble);
+  const at::Tensor weight = at::randn({1, 2, T}, at::kDouble), valid = ops::pooled_valid_keys(T, window, min_gap);
+  const double eps = 1e-6;
+  for (const PoolMode pool : kPools) {
+    for (const bool relu : {false, true}) {
+      auto loss = [&](const IndexInputs& x) {
+        const at::Tensor z = ops::pooled_index_score(x.qI, x.kI, x.w, pool, window, min_gap, relu, 4, 3);
+        return (at::where(valid, z, 0.0) * weight).sum();
+      };
+      const auto analytic = torch::autograd::grad({loss(in)}, in.all());
+      for (int g = 0; g < 3; ++g) {
+        double worst = 0;
+        for (int64_t e = 0; e < in.all()[g].numel(); ++e) {
+          auto shifted = [&](double delta) {
+            IndexInputs x{in.qI.detach().clone(), in.kI.detach().clone(), in.w.detach().clone()};
+            x.all()[g].view({-1})[e] += delta;
+            return loss(x).item<double>();
+          };
+          const double numeric = (shifted(eps) - shifted(-eps)) / (2 * eps);
+          const double exact = analytic[g].view({-1})[e].item<double>();
+          worst = std::max(worst, std::abs(numeric - exact) / std::max(1.0, std::abs(exact)));
+        }
+        EXPECT_LT(worst, 1e-6) << name_of(pool) << (relu ? " relu " : " identity ") << kGradNames[g];
+      }
+    }
+  }
+}
+
+TEST(PooledIndexScore, BFloat16ComputesInFloat) {
+  at::manual_seed(9);
+  const IndexInputs in = random_index_inputs(1, 4, 2, 70, 16, at::kBFloat16);
+  const at::Tensor z = ops::pooled_index_score(in.qI, in.kI, in.w, PoolMode::LogSumExp, 32, 0, false);
+  EXPECT_EQ(z.scalar_type(), at::kBFloat16);
+  const at::Tensor f = ops::pooled_index_score(in.qI.detach().to(at::kFloat), in.kI.detach().to(at::kFloat),
+                                               in.w.detach().to(at::kFloat), PoolMode::LogSumExp, 32, 0, false);
+  // The float kernel rounded once to bf16: within half a bf16 ulp (2^-8 relative).
+  expect_close(z, f, 1.0 / 256, "bf16 z");
+  const auto grads = torch::autograd::grad({z.sum()}, in.all());
+  for (int g = 0; g < 3; ++g) EXPECT_EQ(grads[g].scalar_type(), at::kBFloat16) << kGradNames[g];
+}
+
+TEST(PooledOpsValidation, RejectsBadArguments) {
+  const at::Tensor q = at::randn({1, 4, 5, 8}), k = at::randn({1, 2, 5, 8}), w = at::rand({1, 4, 5});
+  expect_error_containing(
+      [&] {
+        ops::pooled_attention_importance(at::randn({1, 3, 5, 8}), k, PoolMode::Mean, 0, 0);
+      },
+      "kvbound::pooled_attention_importance: query heads (3) must be a positive multiple of KV heads (2)");
+  expect_error_containing(
+      [&] {
+        ops::pooled_attention_importance(q, at::randn({1, 2, 6, 8}), PoolMode::Mean, 0, 0);
+      },
+      "matching q [1, 4, 5, 8]; got k [1, 2, 6, 8]");
+  expect_error_containing([&] { ops::pooled_attention_importance(q, k, PoolMode::Mean, 0, -1); }, "min_gap");
+  expect_error_containing([&] { ops::pooled_attention_importance(q, k, PoolMode::Mean, 0, 0, 0, 64); },
+                          "block sizes must be positive");
+
+  expect_error_containing(
+      [&] {
+        ops::pooled_index_score(q, k, at::rand({1, 4, 6}), PoolMode::Max, 0, 0, false);
+      },
+      "kvbound::pooled_index_score: w must be [B, Hq, T] = [1, 4, 5]; got [1, 4, 6]");
+  expect_error_containing(
+      [&] {
+        ops::pooled_index_score(q, at::randn({1, 3, 5, 8}), w, PoolMode::Max, 0, 0, false);
+      },
+      "query heads (4) must be a positive multiple of key heads (3)");
+  expect_error_containing([&] { ops::pooled_index_score(q, k.to(at::kDouble), w, PoolMode::Max, 0, 0, false); },
+                          "share one floating dtype");
+  expect_error_containing([&] { ops::pooled_index_score(q, k, w, PoolMode::Max, 0, -2, false); }, "min_gap");
+  expect_error_containing([&] { ops::pooled_index_score(q, k, w, static_cast<PoolMode>(7), 0, 0, false); },
+                          "pool must be 0 (mean), 1 (max) or 2 (logsumexp); got 7");
+}
+
+namespace {
+
+// Peak bytes alive through the CPU allocator while `run` executes.
+template <typename Run>
+int64_t peak_bytes_of(Run run) {
+  const test::CountCpuAllocations count;
+  run();
+  return count.peak_bytes();
+}
+
+}  // namespace
+
+TEST(PooledMemory, BlockedPathsNeverAllocateTimesSquared) {
+  at::manual_seed(10);
+  const int64_t B = 1, Hq = 4, Hk = 2, D = 16;
+  {
+    // The instrument sees the references' [B, Hq, T, T] scores.
+    const int64_t T = 256;
+    const at::Tensor q = at::randn({B, Hq, T, D}), k = at::randn({B, Hk, T, D});
+    EXPECT_GE(peak_bytes_of([&] { ops::pooled_attention_importance_reference(q, k, PoolMode::Mean, 0, 0); }),
+              B * Hq * T * T * 4);
+    const IndexInputs in = random_index_inputs(B, Hq, Hk, T, D, at::kFloat);
+    EXPECT_GE(peak_bytes_of([&] {
+                torch::autograd::grad(
+                    {ops::pooled_index_score_reference(in.qI, in.kI, in.w, PoolMode::Mean, 0, 0, true).sum()},
+                    in.all());
+              }),
+              B * Hq * T * T * 4);
+  }
+  // window = 0 (every later query) is the most work; the blocked paths' memory does not depend on it.
+  const int64_t T = 2048, scores_bytes = B * Hq * T * T * 4;
+  const at::Tensor q = at::randn({B, Hq, T, D}), k = at::randn({B, Hk, T, D});
+  for (const PoolMode pool : kPools) {
+    const int64_t teacher = peak_bytes_of([&] { ops::pooled_attention_importance(q, k, pool, 0, 0); });
+    EXPECT_LT(teacher, scores_bytes / 20) << name_of(pool) << " teacher peak " << teacher << " bytes";
+    for (const bool relu : {false, true}) {
+      const IndexInputs in = random_index_inputs(B, Hq, Hk, T, D, at::kFloat);
+      const at::Tensor weight = at::randn({B, Hk, T});
+      const int64_t student = peak_bytes_of([&] {
+        const at::Tensor z = ops::pooled_index_score(in.qI, in.kI, in.w, pool, 0, 0, relu);
+        torch::autograd::grad({(z * weight).sum()}, in.all());
+      });
+      EXPECT_LT(student, scores_bytes / 20)
+          << name_of(pool) << (relu ? " relu" : "") << " student peak " << student << " bytes";
+    }
+  }
+}

@@ -1,0 +1,280 @@
+// TRIM-KV end to end: the loss terms and gate gradients equal a PyTorch implementation of DESIGN.md's
+// formulas (tests/golden/make_trimkv_golden.py), bias 18 makes the student the teacher, the gates file
+// round-trips, the data rows and the schedule behave as documented, and the real CLI trains, resumes
+// bit-identically, exports, evaluates, and stops on NaN or a bad key.
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/randn.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "checkpoints/errors.h"
+#include "checkpoints/safetensors_io.h"
+#include "data/tokenizer.h"
+#include "losses/capacity.h"
+#include "modules/backbone.h"
+#include "modules/retention_gate.h"
+#include "ops/retention_sum.h"
+#include "test_env.h"
+#include "train/optimizer.h"
+#include "train/train_data.h"
+#include "train/trimkv_method.h"
+
+namespace kvbound {
+namespace {
+
+namespace fs = std::filesystem;
+
+Batch golden_batch(const SafetensorsFile& g) {
+  Batch b;
+  b.inputs = g.tensors.at("inputs").to(at::kLong);
+  b.targets = g.tensors.at("targets").to(at::kLong);
+  b.weights = g.tensors.at("weights");
+  b.tokens = static_cast<std::int64_t>(b.weights.sum().item<double>());
+  return b;
+}
+
+TEST(TrimKVLoss, TermsAndGateGradientsEqualThePythonFormulas) {
+  const std::string dir = test::test_data("trimkv");
+  KVBOUND_REQUIRE_FILE(dir + "/golden.safetensors");
+  const auto model = Backbone::load(dir, at::kFloat);
+  const SafetensorsFile golden = read_safetensors(dir + "/golden.safetensors");
+  TrimKVSettings s;
+  s.gate.hidden = std::stoll(golden.metadata.at("gate_hidden"));
+  s.budget = std::stoll(golden.metadata.at("budget"));
+  s.loss_block_rows = 7;  // several blocks, the last one partial
+  TrimKVMethod method(*model, s, 0);
+  const SafetensorsFile gates = read_safetensors(dir + "/gates.safetensors");
+  {
+    const at::NoGradGuard no_grad;
+    for (auto& [name, p] : method.named_parameters()) p.copy_(gates.tensors.at(name));
+  }
+  const StepLoss loss = method.loss(golden_batch(golden));
+  for (const auto& [name, value] : loss.terms)
+    EXPECT_NEAR(value.item<double>(), std::stod(golden.metadata.at(name)), 1e-5) << name;
+  EXPECT_NEAR(loss.total.item<double>(), std::stod(golden.metadata.at("total")), 1e-5);
+  loss.total.backward();
+  for (auto& [name, p] : method.named_parameters()) {
+    const at::Tensor want = golden.tensors.at("grad." + name);
+    const double scale = std::max(want.abs().max().item<double>(), 1e-3);
+    EXPECT_LT((p.grad() - want).abs().max().item<double>() / scale, 1e-4) << name;
+  }
+}
+
+TEST(TrimKVLoss, Bias18MakesTheStudentTheTeacher) {
+  for (const std::string& path : {test::test_data("trimkv"), test::shared_data("stories260K")}) {
+    if (!fs::exists(path + "/model.safetensors")) continue;
+    const auto model = Backbone::load(path, at::kFloat);
+    TrimKVSettings s;
+    s.gate.bias_init = 18.0;
+    TrimKVMethod method(*model, s, 3);
+    Batch b;
+    b.inputs = at::randint(3, model->config().vocab_size, {2, 64}, at::TensorOptions().dtype(at::kLong));
+    b.targets = b.inputs.roll(-1, 1);
+    b.weights = at::ones({2, 64});
+    const StepLoss loss = method.loss(b);
+    EXPECT_LT(std::abs(loss.terms[0].second.item<double>()), 1e-6) << path << ": " << loss.terms[0].first;
+  }
+}
+
+TEST(CapacityLoss, GlobalModeEqualsTheFormula) {
+  at::manual_seed(5);
+  std::vector<at::Tensor> lbs;
+  for (int l = 0; l < 3; ++l) lbs.push_back(at::log_sigmoid(at::randn({2, 2, 20}) + 2.0));
+  at::Tensor w = at::ones({2, 20});
+  w.narrow(1, 15, 5).zero_();
+  const std::int64_t M = 4;
+  const at::Tensor S = ops::retention_sum_reference(at::stack(lbs, 1));  // [B, L, H, T]
+  const at::Tensor t = at::arange(20, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor excess = at::relu(S.sum({1, 2}) - M * 3 * 2) / (at::clamp_min(t + 1 - M, 1) * 6);
+  const double want = ((excess * w).sum() / w.sum()).item<double>();
+  EXPECT_NEAR(losses::capacity_loss(lbs, M, losses::CapacityMode::Global, w).item<double>(), want, 1e-6);
+  EXPECT_THROW(losses::parse_capacity_mode("per_layer", "trimkv.capacity"), Error);
+}
+
+TEST(RetentionGates, ExportRoundTripGivesIdenticalScores) {
+  ModelConfig c;
+  c.num_layers = 3;
+  c.hidden_size = 24;
+  c.num_kv_heads = 2;
+  c.hidden_act = "silu";
+  const RetentionGates gates = RetentionGates::init(c, {16, 8.0, 0.5}, 11);
+  test::TempDir dir("gates");
+  write_safetensors(dir / "gates.safetensors", gates.named_tensors(), {{"method", "trimkv"}});
+  const RetentionGates back = RetentionGates::from_tensors(read_safetensors(dir / "gates.safetensors").tensors, c, "x");
+  const at::Tensor x = at::randn({2, 9, 24});
+  for (std::int64_t l = 0; l < 3; ++l) EXPECT_TRUE(at::equal(gates.log_beta(l, x), back.log_beta(l, x)));
+  EXPECT_EQ(gates.named_tensors().count("model.layers.2.self_attn.retention_gate.linear2.weight"), 1u);
+  c.num_kv_heads = 3;  // another model: the error names the file and the tensor
+  try {
+    RetentionGates::from_tensors(read_safetensors(dir / "gates.safetensors").tensors, c, "g.safetensors");
+    FAIL() << "shape mismatch accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("g.safetensors: model.layers.0.self_attn.retention_gate.linear2.weight"),
+              std::string::npos) << e.what();
+  }
+}
+
+TEST(Schedule, WarmupThenCosine) {
+  EXPECT_DOUBLE_EQ(scheduled_lr(0, 100, 10, 1.0, 0.0), 0.1);
+  EXPECT_DOUBLE_EQ(scheduled_lr(9, 100, 10, 1.0, 0.0), 1.0);
+  EXPECT_DOUBLE_EQ(scheduled_lr(10, 100, 10, 1.0, 0.0), 1.0);
+  EXPECT_NEAR(scheduled_lr(55, 100, 10, 1.0, 0.1), 0.55, 1e-12);
+  EXPECT_NEAR(scheduled_lr(100, 100, 10, 1.0, 0.1), 0.1, 1e-12);
+}
+
+TEST(AdamWUpdate, FirstStepMovesEachWeightByTheLearningRate) {
+  // After one step Adam's bias-corrected update is lr·g/(|g| + eps) = ±lr; decay applies to matrices only.
+  at::Tensor w = at::full({2, 2}, 1.0).set_requires_grad(true), b = at::full({2}, 1.0).set_requires_grad(true);
+  AdamW opt({w, b}, AdamWSettings{0.9, 0.999, 1e-12, 0.5});
+  w.mutable_grad() = at::full({2, 2}, 3.0);
+  b.mutable_grad() = at::full({2}, -2.0);
+  opt.step(0.1);
+  EXPECT_NEAR(w[0][0].item<double>(), 1.0 * (1 - 0.1 * 0.5) - 0.1, 1e-6);
+  EXPECT_NEAR(b[0].item<double>(), 1.1, 1e-6);
+  EXPECT_EQ(opt.steps(), 1);
+}
+
+TEST(TrainingRows, RowsStartWithBosStayInOneDocumentAndShiftTargets) {
+  const std::string tok = test::shared_data("stories260K/tok512.bin");
+  KVBOUND_REQUIRE_FILE(tok);
+  const auto tokenizer = load_tokenizer(tok);
+  test::TempDir dir("rows");
+  std::ofstream(dir / "docs.txt") << "Once upon a time there was a cat.\n<|endoftext|>\nThe dog ran far away from home "
+                                     "and never came back to the old red house.\n";
+  const TrainingRows rows(dir / "docs.txt", *tokenizer, 8, 42);
+  const auto d0 = tokenizer->encode("Once upon a time there was a cat.", false);
+  const auto d1 = tokenizer->encode("The dog ran far away from home and never came back to the old red house.", false);
+  const auto ceil_div = [](std::size_t n, std::size_t k) { return static_cast<std::int64_t>((n + k - 1) / k); };
+  EXPECT_EQ(rows.num_rows(), ceil_div(d0.size(), 7) + ceil_div(d1.size(), 7));
+  DataPosition pos;
+  const Batch all = rows.next(rows.num_rows(), pos);
+  EXPECT_EQ(pos.epoch, 0);
+  // Every token is a target once, plus once more from BOS when it opens a row that continues a document.
+  EXPECT_EQ(all.tokens, static_cast<std::int64_t>(d0.size() + d1.size()) + rows.num_rows() - 2);
+  for (std::int64_t r = 0; r < rows.num_rows(); ++r) {
+    EXPECT_EQ(all.inputs[r][0].item<std::int64_t>(), tokenizer->bos_id());
+    const std::int64_t n = static_cast<std::int64_t>(all.weights[r].sum().item<double>());
+    for (std::int64_t t = 0; t + 1 < n; ++t)
+      EXPECT_EQ(all.targets[r][t].item<std::int64_t>(), all.inputs[r][t + 1].item<std::int64_t>());
+    for (std::int64_t t = n; t < 8; ++t) EXPECT_EQ(all.targets[r][t].item<std::int64_t>(), -1);
+  }
+  DataPosition again;
+  EXPECT_TRUE(at::equal(rows.next(rows.num_rows(), again).inputs, all.inputs));  // order is a function of (seed, epoch)
+  rows.next(1, pos);
+  EXPECT_EQ(pos.epoch, 1);
+  EXPECT_EQ(pos.cursor, 1);
+}
+
+// The real CLI on stories260K: tiny runs (2 rows of 32 tokens per step, one thread).
+class TrainCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = test::shared_data("stories260K");
+    train_ = test::shared_data("text/tinystories_train_first2MiB.txt");
+    valid_ = test::shared_data("text/tinystories_valid_first794KB_hf.txt");
+    if (!fs::exists(model_ + "/model.safetensors") || !fs::exists(train_)) GTEST_SKIP() << "missing " << model_;
+    std::ofstream(dir_ / "train.yaml") << "model:\n  path: " << model_ << "\n  threads: 1\ndata:\n  train_text: " << train_
+                                       << "\ntrain:\n  steps: 4\n  seq_len: 32\n  batch_size: 2\n  warmup: 1\n"
+                                          "  checkpoint_every: 2\n  eval_every: 0\ntrimkv:\n  budget: 8\n  gate_hidden: 16\n";
+  }
+  std::string train(const std::string& args, int expect = 0) {
+    std::string out, err;
+    EXPECT_EQ(test::run_kvbound("train " + (dir_ / "train.yaml") + " " + args, &out, &err), expect) << err;
+    return err;
+  }
+  std::string model_, train_, valid_;
+  test::TempDir dir_{"train"};
+};
+
+std::vector<nlohmann::json> train_lines(const std::string& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "train") continue;
+    j.erase("tokens_per_s");  // timing
+    out.push_back(j);
+  }
+  return out;
+}
+
+TEST_F(TrainCli, ResumeIsBitIdentical) {
+  train("--set run.out_dir=" + (dir_ / "straight"));
+  train("--set run.out_dir=" + (dir_ / "resumed") + " --stop-after 2");
+  train("--set run.out_dir=" + (dir_ / "resumed") + " --stop-after 1 --resume");
+  train("--set run.out_dir=" + (dir_ / "resumed") + " --resume");
+  const auto a = read_safetensors(dir_ / "straight/checkpoints/step_0000004.safetensors");
+  const auto b = read_safetensors(dir_ / "resumed/checkpoints/step_0000004.safetensors");
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (const auto& [name, t] : a.tensors) EXPECT_TRUE(at::equal(t, b.tensors.at(name))) << name;
+  EXPECT_EQ(a.metadata.at("cursor"), b.metadata.at("cursor"));
+  EXPECT_EQ(train_lines(dir_ / "straight/metrics.jsonl"), train_lines(dir_ / "resumed/metrics.jsonl"));
+  EXPECT_EQ(train_lines(dir_ / "straight/metrics.jsonl").size(), 4u);
+}
+
+TEST_F(TrainCli, ExportsOfficialNamesAndEvaluatesAgainstHeuristics) {
+  train("--set run.out_dir=" + (dir_ / "run") + " --set data.eval_text=" + valid_ +
+        " --set train.eval_budget=16 --set train.eval_windows=1 --set train.eval_context_len=64 --set train.eval_prefill_len=32");
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("export " + (dir_ / "run") + " --out " + (dir_ / "gates.safetensors"), &out, &err), 0) << err;
+  const auto gates = read_safetensors(dir_ / "gates.safetensors");
+  EXPECT_EQ(gates.tensors.size(), 5u * 4u);  // 5 layers x (linear1.weight, linear1.bias, linear2.weight, bias)
+  EXPECT_EQ(gates.tensors.count("model.layers.4.self_attn.retention_gate.bias"), 1u);
+  EXPECT_EQ(gates.metadata.at("method"), "trimkv");
+  EXPECT_EQ(gates.metadata.at("budget"), "8");
+  EXPECT_EQ(gates.metadata.at("step"), "4");
+  ASSERT_EQ(test::run_kvbound("export " + (dir_ / "run") + " --best --out " + (dir_ / "best.safetensors"), &out, &err), 0) << err;
+  // The exported gates are the checkpoint's, bit for bit.
+  const auto ck = read_safetensors(dir_ / "run/checkpoints/step_0000004.safetensors");
+  for (const auto& [name, t] : gates.tensors) EXPECT_TRUE(at::equal(t, ck.tensors.at(name))) << name;
+
+  out.clear();
+  ASSERT_EQ(test::run_kvbound("eval --set model.path=" + model_ + " --set model.threads=1 --set eval.text=" + valid_ +
+                                  " --set eval.policies=[trimkv,h2o] --set eval.budgets=[16] --set eval.tasks=[continuation]"
+                                  " --set eval.context_len=64 --set eval.prefill_len=32 --set eval.score_from=32"
+                                  " --set eval.num_windows=1 --set eval.out_dir=" + (dir_ / "eval") +
+                                  " --set trimkv.gates=" + (dir_ / "gates.safetensors"),
+                              &out, &err), 0) << err;
+  std::ifstream in(dir_ / "eval/results.json");
+  const auto results = nlohmann::json::parse(in);
+  std::set<std::string> policies;
+  for (const auto& row : results["rows"]) policies.insert(row["policy"].get<std::string>());
+  EXPECT_EQ(policies, (std::set<std::string>{"trimkv", "h2o"}));
+}
+
+TEST_F(TrainCli, RejectsBadKeysExistingRunsAndMissingGates) {
+  std::string err = train("--set trimkv.budgt=3", 1);
+  EXPECT_NE(err.find("trimkv.budget"), std::string::npos) << err;
+  train("--set run.out_dir=" + (dir_ / "run") + " --set train.steps=1");
+  err = train("--set run.out_dir=" + (dir_ / "run") + " --set train.steps=1", 1);
+  EXPECT_NE(err.find("--resume"), std::string::npos) << err;
+  err = train("--set run.out_dir=" + (dir_ / "run") + " --set train.steps=2 --resume", 1);  // another config
+  EXPECT_NE(err.find("config_hash"), std::string::npos) << err;
+  std::string out;
+  EXPECT_EQ(test::run_kvbound("eval --set eval.text=" + valid_ + " --set model.path=" + model_ +
+                                  " --set eval.policies=[trimkv] --set eval.out_dir=" + (dir_ / "e"), &out, &err), 1);
+  EXPECT_NE(err.find("trimkv.gates"), std::string::npos) << err;
+}
+
+TEST_F(TrainCli, NanStopsTheRunNamingTheStepAndTerm) {
+  // A copy of the model with one NaN weight: the teacher's logits, hence the KL, become NaN at step 1.
+  const fs::path bad = dir_.path() / "nan_model";
+  fs::create_directories(bad);
+  fs::copy_file(model_ + "/config.json", bad / "config.json");
+  fs::copy_file(model_ + "/tok512.bin", bad / "tok512.bin");
+  SafetensorsFile m = read_safetensors(model_ + "/model.safetensors");
+  m.tensors.at("model.layers.2.mlp.down_proj.weight")[0][0] = std::nan("");
+  write_safetensors((bad / "model.safetensors").string(), m.tensors, m.metadata);
+  const std::string err = train("--set model.path=" + bad.string() + " --set run.out_dir=" + (dir_ / "run"), 1);
+  EXPECT_NE(err.find("step 1: loss term"), std::string::npos) << err;
+  EXPECT_NE(err.find("is nan"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir_.path() / "run/checkpoints/LATEST"));
+}
+
+}  // namespace
+}  // namespace kvbound

@@ -1,0 +1,64 @@
+// `kvbound export RUN_DIR --out FILE [--best]`: the trained tensors of a run (its latest checkpoint, or
+// the best periodic eval with --best) as one safetensors file for serving stacks, without optimizer state.
+// TRIM-KV tensors keep the official release's names (model.layers.{i}.self_attn.retention_gate.*); the
+// metadata header says what they are: method, backbone identity, budget, step, config hash.
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <iostream>
+
+#include "checkpoints/errors.h"
+#include "checkpoints/safetensors_io.h"
+#include "train/commands.h"
+#include "train/run_checkpoint.h"
+
+namespace kvbound {
+
+int cmd_export(int argc, char** argv) {
+  cxxopts::Options o("kvbound export", "Write a run's trained weights (gates) as one safetensors file.");
+  o.add_options()("run_dir", "run folder of `kvbound train`", cxxopts::value<std::string>())(
+      "o,out", "output .safetensors file", cxxopts::value<std::string>())(
+      "best", "export the weights of the best periodic eval (best.safetensors) instead of the latest checkpoint")(
+      "h,help", "show help");
+  o.parse_positional({"run_dir"});
+  o.positional_help("RUN_DIR");
+  const auto r = o.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << o.help() << "\n";
+    return 0;
+  }
+  if (!r.count("run_dir")) fail("kvbound export", "RUN_DIR", "missing (see --help)");
+  if (!r.count("out")) fail("kvbound export", "--out", "missing output file");
+  const std::string run_dir = r["run_dir"].as<std::string>(), out = r["out"].as<std::string>();
+  if (!std::filesystem::is_directory(run_dir)) fail(run_dir, "RUN_DIR", "not a folder");
+
+  std::string source;
+  SafetensorsFile file;
+  if (r.count("best")) {
+    source = (std::filesystem::path(run_dir) / "best.safetensors").string();
+    if (!std::filesystem::exists(source)) fail(source, "--best", "no periodic eval has run in this folder (data.eval_text empty?)");
+    file = read_safetensors(source);
+  } else {
+    source = latest_checkpoint_path(run_dir);
+    if (source.empty()) fail(run_dir, "checkpoints/LATEST", "no checkpoint in this run folder");
+    file = read_safetensors(source);
+  }
+  std::map<std::string, at::Tensor> tensors;
+  for (auto& [name, t] : file.tensors)
+    if (name.rfind("optimizer.", 0) != 0) tensors[name] = t;
+  if (tensors.empty()) fail(source, "tensors", "no trained tensors in this checkpoint");
+  std::map<std::string, std::string> meta;
+  // Identity and settings pass through; run bookkeeping (data position, format of the checkpoint) does not.
+  for (const char* key : {"method", "backbone", "architecture", "num_layers", "hidden_size", "num_kv_heads",
+                          "retention_gate_intermediate_size", "retention_gate_bias_init", "hidden_act", "budget",
+                          "config_hash", "step", "eval_kl", "eval_budget"})
+    if (file.metadata.count(key)) meta[key] = file.metadata.at(key);
+  meta["format"] = "kvbound-export";
+  meta["format_version"] = "1";
+  meta["source"] = source;
+  write_safetensors(out, tensors, meta);
+  std::cout << "[export] " << tensors.size() << " tensors (" << meta["method"] << ", step " << meta["step"] << ") -> "
+            << out << "\n";
+  return 0;
+}
+
+}  // namespace kvbound

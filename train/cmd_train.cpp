@@ -1,0 +1,184 @@
+// `kvbound train CONFIG [--set key=value ...] [--resume] [--stop-after N]`: trains a learned method's
+// modules on the frozen backbone (train.method: trimkv) and writes the run folder described in
+// train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically (same config
+// required); `--stop-after N` ends this invocation after N updates with a checkpoint (time-sliced jobs).
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "checkpoints/errors.h"
+#include "data/tokenizer.h"
+#include "eval/text_windows.h"
+#include "modules/backbone.h"
+#include "train/commands.h"
+#include "train/config.h"
+#include "train/run_checkpoint.h"
+#include "train/trainer.h"
+#include "train/trimkv_method.h"
+
+namespace kvbound {
+namespace {
+
+ConfigSchema train_schema() {
+  ConfigSchema s;
+  s.add("model.path", ConfigType::String, yaml_quote(default_model_path()), "HF folder or .gguf file (frozen backbone)")
+      .add("model.tokenizer", ConfigType::String, "\"\"", "tokenizer file (empty: the one beside model.path)")
+      .add("model.dtype", ConfigType::String, "float32", "backbone compute dtype: float32 | bfloat16")
+      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
+      .add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
+      .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
+      .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv")
+      .add("train.steps", ConfigType::Int, "200", "optimizer updates")
+      .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
+      .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")
+      .add("train.grad_accum", ConfigType::Int, "1", "micro-batches per update")
+      .add("train.lr", ConfigType::Float, "2e-3", "peak learning rate (2e-3 tiny models, 2e-4 billion-scale)")
+      .add("train.min_lr", ConfigType::Float, "0.0", "learning rate at the end of the cosine decay")
+      .add("train.warmup", ConfigType::Int, "20", "linear warm-up updates")
+      .add("train.weight_decay", ConfigType::Float, "0.01", "AdamW weight decay (matrices only)")
+      .add("train.grad_clip", ConfigType::Float, "1.0", "max global gradient norm (<= 0: off)")
+      .add("train.seed", ConfigType::Int, "0", "seed for initialisation and data order")
+      .add("train.loss_block_rows", ConfigType::Int, "128", "positions whose vocabulary logits exist at once")
+      .add("train.log_every", ConfigType::Int, "1", "updates between metrics.jsonl lines")
+      .add("train.checkpoint_every", ConfigType::Int, "50", "updates between checkpoints (0: only at the end)")
+      .add("train.keep_checkpoints", ConfigType::Int, "3", "checkpoint files kept")
+      .add("train.eval_every", ConfigType::Int, "50", "updates between budgeted evals (0: only at the end)")
+      .add("train.eval_budget", ConfigType::Int, "128", "deployment budget M of the periodic eval")
+      .add("train.eval_windows", ConfigType::Int, "4", "held-out windows per eval")
+      .add("train.eval_context_len", ConfigType::Int, "256", "eval window length (BOS included)")
+      .add("train.eval_prefill_len", ConfigType::Int, "128", "eval prefill (then teacher-forced decode, scored)")
+      .add("train.eval_chunk_size", ConfigType::Int, "32", "eval prefill chunk size")
+      .add("trimkv.budget", ConfigType::Int, "32", "M_train of the capacity loss (tighter than the deployment M)")
+      .add("trimkv.gate_hidden", ConfigType::Int, "128", "gate MLP width h (128 tiny models, 512 billion-scale)")
+      .add("trimkv.bias_init", ConfigType::Float, "8.0", "gate bias at init (8: released Qwen3 gates; 18: paper)")
+      .add("trimkv.capacity", ConfigType::String, "per_head", "capacity loss: per_head | global")
+      .add("trimkv.w_kl", ConfigType::Float, "0.5", "weight of KL(teacher || student)")
+      .add("trimkv.w_ntp", ConfigType::Float, "0.5", "weight of next-token cross-entropy")
+      .add("trimkv.lambda_cap", ConfigType::Float, "1.0", "weight of the capacity loss")
+      .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
+  return s;
+}
+
+std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& model) {
+  const std::string method = c.get_string("train.method");
+  if (method == "trimkv") {
+    TrimKVSettings t;
+    t.gate.hidden = c.get_int("trimkv.gate_hidden");
+    t.gate.bias_init = c.get_float("trimkv.bias_init");
+    t.budget = c.get_int("trimkv.budget");
+    if (t.budget < 1) fail("config", "trimkv.budget", "must be >= 1");
+    if (t.gate.hidden < 1) fail("config", "trimkv.gate_hidden", "must be >= 1");
+    t.capacity = losses::parse_capacity_mode(c.get_string("trimkv.capacity"), "trimkv.capacity");
+    t.w_kl = c.get_float("trimkv.w_kl");
+    t.w_ntp = c.get_float("trimkv.w_ntp");
+    t.lambda_cap = c.get_float("trimkv.lambda_cap");
+    t.loss_block_rows = c.get_int("train.loss_block_rows");
+    if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
+    return std::make_unique<TrimKVMethod>(model, t, static_cast<std::uint64_t>(c.get_int("train.seed")));
+  }
+  fail("config", "train.method", "'" + method + "' (trimkv)");
+}
+
+TrainerSettings trainer_settings(const Config& c) {
+  TrainerSettings s;
+  s.run_dir = c.get_string("run.out_dir");
+  s.config_hash = c.hash();
+  s.steps = c.get_int("train.steps");
+  s.batch_size = c.get_int("train.batch_size");
+  s.grad_accum = c.get_int("train.grad_accum");
+  s.warmup = c.get_int("train.warmup");
+  s.lr = c.get_float("train.lr");
+  s.min_lr = c.get_float("train.min_lr");
+  s.grad_clip = c.get_float("train.grad_clip");
+  s.adamw.weight_decay = c.get_float("train.weight_decay");
+  s.log_every = c.get_int("train.log_every");
+  s.checkpoint_every = c.get_int("train.checkpoint_every");
+  s.keep_checkpoints = c.get_int("train.keep_checkpoints");
+  if (!(s.lr > 0)) fail("config", "train.lr", "must be > 0");
+  if (s.warmup < 0) fail("config", "train.warmup", "must be >= 0");
+  if (s.keep_checkpoints < 1) fail("config", "train.keep_checkpoints", "must be >= 1");
+  return s;
+}
+
+PeriodicEval periodic_eval(const Config& c, const Backbone& model, const Tokenizer& tokenizer) {
+  PeriodicEval e;
+  e.budget = c.get_int("train.eval_budget");
+  e.every = c.get_int("train.eval_every");
+  e.settings.prefill_len = e.settings.score_from = c.get_int("train.eval_prefill_len");
+  e.settings.chunk_size = c.get_int("train.eval_chunk_size");
+  const std::string text = c.get_string("data.eval_text");
+  if (text.empty()) return e;
+  if (e.budget < 1) fail("config", "train.eval_budget", "must be >= 1");
+  const std::int64_t windows = c.get_int("train.eval_windows");
+  if (windows < 1) fail("config", "train.eval_windows", "must be >= 1");
+  const at::NoGradGuard no_grad;
+  for (const auto& w : TextWindows(text).sample(tokenizer, windows, c.get_int("train.eval_context_len"),
+                                                static_cast<std::uint64_t>(c.get_int("train.seed"))))
+    e.references.push_back(continuation_reference(model, w, e.settings));
+  return e;
+}
+
+}  // namespace
+
+int cmd_train(int argc, char** argv) {
+  const std::vector<std::string> overrides = extract_overrides(argc, argv);
+  const ConfigSchema schema = train_schema();
+  cxxopts::Options o("kvbound train", "Train a learned KV-eviction method on the frozen backbone. Override any config "
+                                      "key with --set key=value (e.g. --set train.lr=1e-3).");
+  o.add_options()("config", "YAML config (see configs/trimkv/)", cxxopts::value<std::string>())(
+      "resume", "continue run.out_dir's latest checkpoint (the config must be the run's)")(
+      "stop-after", "stop after N updates in this invocation, with a checkpoint", cxxopts::value<std::int64_t>())(
+      "h,help", "show help");
+  o.parse_positional({"config"});
+  o.positional_help("CONFIG");
+  const auto r = o.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << o.help() << "\nconfig keys:\n" << schema.describe() << "\n";
+    return 0;
+  }
+  const Config config = Config::load(schema, r.count("config") ? r["config"].as<std::string>() : "", overrides);
+  TrainerSettings settings = trainer_settings(config);
+  settings.resume = r.count("resume") > 0;
+  if (r.count("stop-after")) {
+    settings.stop_after = r["stop-after"].as<std::int64_t>();
+    if (settings.stop_after < 1) fail("--stop-after", "N", "must be >= 1");
+  }
+  const int threads = static_cast<int>(config.get_int("model.threads"));
+  at::set_num_threads(threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+
+  const std::string model_path = config.get_string("model.path");
+  const std::string tok_path =
+      config.get_string("model.tokenizer").empty() ? find_tokenizer_beside(model_path) : config.get_string("model.tokenizer");
+  const auto tokenizer = load_tokenizer(tok_path);
+  const std::string dtype = config.get_string("model.dtype");
+  if (dtype != "float32" && dtype != "bfloat16") fail("config", "model.dtype", "'" + dtype + "' (float32, bfloat16)");
+  const auto model = Backbone::load(model_path, dtype == "float32" ? at::kFloat : at::kBFloat16);
+  auto method = make_method(config, *model);
+  const TrainingRows rows(config.get_string("data.train_text"), *tokenizer, config.get_int("train.seq_len"),
+                          static_cast<std::uint64_t>(config.get_int("train.seed")));
+  std::cerr << "[train] " << method->name() << " on " << model_path << ": " << rows.num_rows() << " rows of <= "
+            << rows.seq_len() << " tokens from " << rows.num_tokens() << " tokens\n";
+
+  std::filesystem::create_directories(settings.run_dir);
+  if (!settings.resume) {
+    if (!latest_checkpoint_path(settings.run_dir).empty())
+      fail(settings.run_dir, "run.out_dir", "already holds a run; pass --resume to continue it or choose another folder");
+    config.write(settings.run_dir + "/config.yaml");
+  }
+  const PeriodicEval eval = periodic_eval(config, *model, *tokenizer);
+  const TrainSummary summary = train(*model, *method, rows, settings, &eval);
+  std::cout << "[train] steps " << summary.first_step << " -> " << summary.last_step << " in " << summary.seconds
+            << " s (" << summary.tokens_per_second << " tokens/s), last loss " << summary.last_loss;
+  if (summary.best_step >= 0)
+    std::cout << ", best eval KL " << summary.best_eval_kl << " at step " << summary.best_step << " (M="
+              << eval.budget << ")";
+  std::cout << "\n[train] run folder: " << settings.run_dir << " (export: kvbound export " << settings.run_dir
+            << " --out gates.safetensors)\n";
+  return 0;
+}
+
+}  // namespace kvbound

@@ -1,0 +1,69 @@
+// Training windows for the learned methods: documents (from a text/jsonl file, tokenized at start-up, or an
+// HDF5 token dataset from `kvbound prepare`, read lazily) are cut into rows of at most T tokens that never
+// cross a document boundary. Row j of a document covers its tokens [j·(T−1), (j+1)·(T−1)) after a BOS:
+//
+//   inputs  = BOS, d[s], …, d[s+n−1]         (n ≤ T−1, s = j·(T−1))
+//   targets = d[s], …, d[s+n−1], d[s+n]      (the last one is padding, weight 0, when the document ends)
+//
+// so every row starts like a fresh sequence (its attention sink in place, positions from 0) and no token
+// attends across documents: the document mask is structural, nothing to mask inside a row. Short rows
+// are padded to T with weight-0 positions; padding comes after every real token, so causal attention
+// never lets it change a real position.
+//
+// Order: rows are shuffled per epoch by a permutation drawn from (seed, epoch) alone, so the data position
+// (epoch, cursor) is all a checkpoint needs to resume the exact same batches.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/tokenizer.h"
+
+namespace kvbound {
+
+struct Batch {
+  at::Tensor inputs;   // [B, T] int64 (padding: BOS id, never a target)
+  at::Tensor targets;  // [B, T] int64 (-1 at padding)
+  at::Tensor weights;  // [B, T] float32: 1 where a target exists
+  std::int64_t tokens = 0;  // weighted positions
+};
+
+struct DataPosition {
+  std::int64_t epoch = 0, cursor = 0;  // cursor: rows of this epoch already consumed
+};
+
+class TrainingRows {
+ public:
+  // `path`: .txt/.jsonl (documents split as `kvbound prepare` does) or .h5 (checked against `tokenizer`).
+  // Throws kvbound::Error naming the path when it yields no row.
+  TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed);
+  ~TrainingRows();
+
+  std::int64_t num_rows() const { return static_cast<std::int64_t>(rows_.size()); }
+  std::int64_t num_tokens() const { return total_tokens_; }
+  std::int64_t seq_len() const { return seq_len_; }
+
+  // The next `batch_size` rows from `position` (advancing it; a new epoch reshuffles).
+  Batch next(std::int64_t batch_size, DataPosition& position) const;
+
+ private:
+  struct Row {
+    std::int64_t start, count, doc_end;  // absolute token offsets: d[start, start+count); its document ends at doc_end
+  };
+  std::vector<std::int32_t> read(std::int64_t begin, std::int64_t count) const;
+  const std::vector<std::int64_t>& order(std::int64_t epoch) const;
+
+  struct Source;
+  std::unique_ptr<Source> source_;
+  std::int64_t seq_len_, bos_;
+  std::uint64_t seed_;
+  std::int64_t total_tokens_ = 0;
+  std::vector<Row> rows_;
+  mutable std::int64_t cached_epoch_ = -1;
+  mutable std::vector<std::int64_t> cached_order_;
+};
+
+}  // namespace kvbound

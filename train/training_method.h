@@ -1,0 +1,40 @@
+// What a learned method gives the trainer (train/trainer.h): its trainable tensors under their export
+// names, a loss for a batch, and the eviction policy that evaluates it. TRIM-KV is one
+// (train/trimkv_method.h); IndexMem's stages plug in the same way.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "modules/eviction_policy.h"
+#include "train/train_data.h"
+
+namespace kvbound {
+
+struct StepLoss {
+  at::Tensor total;                                         // what backward() runs on
+  std::vector<std::pair<std::string, at::Tensor>> terms;    // named scalar terms, logged and NaN-checked
+  std::map<std::string, double> stats;                      // extra numbers for metrics.jsonl
+  std::vector<double> per_layer;                            // e.g. mean retention per layer
+};
+
+class TrainingMethod {
+ public:
+  virtual ~TrainingMethod() = default;
+  virtual std::string name() const = 0;
+  // The trainable tensors under their export names (sharing storage with the leaves being trained).
+  virtual std::map<std::string, at::Tensor> named_parameters() const = 0;
+  virtual StepLoss loss(const Batch& batch) = 0;
+  // A fresh policy that evicts with the current weights (for the periodic budgeted eval).
+  virtual std::unique_ptr<EvictionPolicy> eval_policy() const = 0;
+  // Metadata written into checkpoints and exports (backbone identity, budget, settings).
+  virtual std::map<std::string, std::string> metadata() const = 0;
+  // The name of the per_layer statistic in metrics.jsonl.
+  virtual std::string per_layer_name() const = 0;
+};
+
+}  // namespace kvbound

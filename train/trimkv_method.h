@@ -1,0 +1,39 @@
+// TRIM-KV training (DESIGN.md, "TRIM-KV"): the teacher is the frozen backbone with plain causal attention
+// (no grad); the student is the same backbone whose attention is the gated retention attention;
+//   L = w_kl · KL(p_teacher ‖ p_student) + w_ntp · CE + λ_cap · L_cap(M_train).
+#pragma once
+#include "losses/capacity.h"
+#include "modules/backbone.h"
+#include "modules/retention_gate.h"
+#include "train/training_method.h"
+
+namespace kvbound {
+
+struct TrimKVSettings {
+  RetentionGateSettings gate;
+  std::int64_t budget = 64;  // M_train: tighter than the deployment budget works best
+  losses::CapacityMode capacity = losses::CapacityMode::PerHead;
+  double w_kl = 0.5, w_ntp = 0.5, lambda_cap = 1.0;
+  std::int64_t loss_block_rows = 128;  // positions whose vocabulary logits exist at once
+};
+
+class TrimKVMethod final : public TrainingMethod {
+ public:
+  TrimKVMethod(const Backbone& model, const TrimKVSettings& settings, std::uint64_t seed);
+
+  std::string name() const override { return "trimkv"; }
+  std::map<std::string, at::Tensor> named_parameters() const override { return gates_->named_tensors(); }
+  StepLoss loss(const Batch& batch) override;
+  std::unique_ptr<EvictionPolicy> eval_policy() const override;
+  std::map<std::string, std::string> metadata() const override;
+  std::string per_layer_name() const override { return "retention"; }
+
+  const RetentionGates& gates() const { return *gates_; }
+
+ private:
+  const Backbone& model_;
+  TrimKVSettings settings_;
+  std::shared_ptr<RetentionGates> gates_;
+};
+
+}  // namespace kvbound
