@@ -34,6 +34,7 @@ bench: setup-test
 	$(MAKE) build
 	scripts/bench.sh $(BUILD)
 	scripts/bench_decode.sh $(BUILD)
+	scripts/bench_train.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD)

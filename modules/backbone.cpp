@@ -92,6 +92,12 @@ class TensorTable {
 
 }  // namespace
 
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return x * emb.cos().to(x.scalar_type()) + rotate_half(x) * emb.sin().to(x.scalar_type());
+}
+
 std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType dtype) {
   return std::make_unique<Backbone>(load_checkpoint(path, dtype));
 }

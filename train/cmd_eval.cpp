@@ -18,6 +18,7 @@
 #include "eval/results.h"
 #include "modules/backbone.h"
 #include "modules/policies/registry.h"
+#include "modules/indexer.h"
 #include "modules/retention_gate.h"
 #include "train/commands.h"
 #include "train/config.h"
@@ -51,7 +52,9 @@ ConfigSchema eval_schema() {
       .add("policy.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept")
       .add("policy.snapkv_window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
       .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
-      .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)");
+      .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)")
+      .add("indexmem.weights", ConfigType::String, "\"\"", "indexmem: indexer file from `kvbound export` (required by policy indexmem)")
+      .add("indexmem.recent", ConfigType::Int, "8", "indexmem: most recent tokens always kept");
   return s;
 }
 
@@ -85,6 +88,8 @@ SweepSettings sweep_settings(const Config& c) {
   s.policy_options.recent = c.get_int("policy.recent");
   s.policy_options.snapkv_window = c.get_int("policy.snapkv_window");
   s.policy_options.snapkv_pool = c.get_int("policy.snapkv_pool");
+  s.policy_options.indexmem_recent = c.get_int("indexmem.recent");
+  if (s.policy_options.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
   if (s.policy_options.snapkv_pool < 1 || s.policy_options.snapkv_pool % 2 == 0)
     fail("config", "policy.snapkv_pool", "must be odd and >= 1");
   return s;
@@ -123,6 +128,13 @@ int cmd_eval(int argc, char** argv) {
     settings.policy_options.trimkv_gates = std::make_shared<const RetentionGates>(
         RetentionGates::from_tensors(read_safetensors(gates_path).tensors, model->config(), gates_path));
   }
+  const std::string indexer_path = config.get_string("indexmem.weights");
+  if (!indexer_path.empty()) {
+    // The indexer's settings (d_I, key heads, rope, relu) travel in the export's metadata.
+    const SafetensorsFile file = read_safetensors(indexer_path);
+    settings.policy_options.indexer = std::make_shared<const Indexer>(Indexer::from_tensors(
+        file.tensors, model->config(), indexer_settings(file.metadata, indexer_path), indexer_path));
+  }
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");
@@ -135,6 +147,7 @@ int cmd_eval(int argc, char** argv) {
   results.meta["config_hash"] = config.hash();
   results.meta["text"] = settings.text_path;
   if (!gates_path.empty()) results.meta["trimkv_gates"] = gates_path;
+  if (!indexer_path.empty()) results.meta["indexmem_weights"] = indexer_path;
   write_results_json(results, out_dir + "/results.json");
   const std::string table = results_markdown(results);
   write_file_atomic(out_dir + "/results.md", table);

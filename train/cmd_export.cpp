@@ -9,7 +9,7 @@
 #include "checkpoints/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "train/commands.h"
-#include "train/run_checkpoint.h"
+#include "checkpoints/run_checkpoint.h"
 
 namespace kvbound {
 
@@ -50,6 +50,7 @@ int cmd_export(int argc, char** argv) {
   // Identity and settings pass through; run bookkeeping (data position, format of the checkpoint) does not.
   for (const char* key : {"method", "backbone", "architecture", "num_layers", "hidden_size", "num_kv_heads",
                           "retention_gate_intermediate_size", "retention_gate_bias_init", "hidden_act", "budget",
+                          "stage", "d_index", "key_heads", "rope", "relu", "pool", "window", "min_gap", "recent",
                           "config_hash", "step", "eval_kl", "eval_budget"})
     if (file.metadata.count(key)) meta[key] = file.metadata.at(key);
   meta["format"] = "kvbound-export";

@@ -1,13 +1,14 @@
 // `kvbound train CONFIG [--set key=value ...] [--resume] [--stop-after N]`: trains a learned method's
-// modules on the frozen backbone (train.method: trimkv) and writes the run folder described in
+// modules on the frozen backbone (train.method: trimkv | indexmem) and writes the run folder described in
 // train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically (same config
-// required); `--stop-after N` ends this invocation after N updates with a checkpoint (time-sliced jobs).
+// required; model.threads may differ); `--stop-after N` ends this invocation after N updates with a checkpoint (time-sliced jobs).
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "checkpoints/errors.h"
@@ -16,8 +17,9 @@
 #include "modules/backbone.h"
 #include "train/commands.h"
 #include "train/config.h"
-#include "train/run_checkpoint.h"
+#include "checkpoints/run_checkpoint.h"
 #include "train/trainer.h"
+#include "train/indexmem_method.h"
 #include "train/trimkv_method.h"
 
 namespace kvbound {
@@ -31,7 +33,7 @@ ConfigSchema train_schema() {
       .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
       .add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
-      .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv")
+      .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv | indexmem")
       .add("train.steps", ConfigType::Int, "200", "optimizer updates")
       .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
       .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")
@@ -59,6 +61,14 @@ ConfigSchema train_schema() {
       .add("trimkv.w_kl", ConfigType::Float, "0.5", "weight of KL(teacher || student)")
       .add("trimkv.w_ntp", ConfigType::Float, "0.5", "weight of next-token cross-entropy")
       .add("trimkv.lambda_cap", ConfigType::Float, "1.0", "weight of the capacity loss")
+      .add("indexmem.d_index", ConfigType::Int, "32", "indexer key/query size d_I (16..64; even with rope)")
+      .add("indexmem.key_heads", ConfigType::String, "kv", "indexer keys: kv (one per KV head) | 1 (one shared key)")
+      .add("indexmem.rope", ConfigType::Bool, "true", "RoPE on the indexer's queries and keys")
+      .add("indexmem.relu", ConfigType::Bool, "false", "ReLU on indexer logits before the head-weighted sum")
+      .add("indexmem.pool", ConfigType::String, "mean", "pooling over each key's query window: mean | max | logsumexp")
+      .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
+      .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap")
+      .add("indexmem.recent", ConfigType::Int, "8", "eval policy: newest tokens always kept")
       .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
   return s;
 }
@@ -80,7 +90,24 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
     if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
     return std::make_unique<TrimKVMethod>(model, t, static_cast<std::uint64_t>(c.get_int("train.seed")));
   }
-  fail("config", "train.method", "'" + method + "' (trimkv)");
+  if (method == "indexmem") {
+    IndexMemSettings m;
+    m.indexer.d_index = c.get_int("indexmem.d_index");
+    m.indexer.key_heads = c.get_string("indexmem.key_heads");
+    m.indexer.rope = c.get_bool("indexmem.rope");
+    m.indexer.relu = c.get_bool("indexmem.relu");
+    m.pool_name = c.get_string("indexmem.pool");
+    if (m.pool_name != "mean" && m.pool_name != "max" && m.pool_name != "logsumexp")
+      fail("config", "indexmem.pool", "'" + m.pool_name + "' (mean, max, logsumexp)");
+    m.pool = ops::parse_pool_mode(m.pool_name);
+    m.window = c.get_int("indexmem.window");
+    m.min_gap = c.get_int("indexmem.min_gap");
+    if (m.min_gap < 0) fail("config", "indexmem.min_gap", "must be >= 0");
+    m.recent = c.get_int("indexmem.recent");
+    if (m.recent < 0) fail("config", "indexmem.recent", "must be >= 0");
+    return std::make_unique<IndexMemIndexerMethod>(model, m, static_cast<std::uint64_t>(c.get_int("train.seed")));
+  }
+  fail("config", "train.method", "'" + method + "' (trimkv, indexmem)");
 }
 
 TrainerSettings trainer_settings(const Config& c) {
@@ -122,6 +149,29 @@ PeriodicEval periodic_eval(const Config& c, const Backbone& model, const Tokeniz
   return e;
 }
 
+// --resume continues a run only with the config it was started with: the run's config.yaml, read with
+// today's schema (keys added since take their defaults), must resolve to the same YAML as this invocation's.
+// model.threads is a runtime setting, not part of the run's identity (bit-identity then holds only up to
+// the reduction order of multithreaded kernels).
+void check_same_run(const ConfigSchema& schema, const std::string& config_path,
+                    const std::vector<std::string>& overrides, const std::string& run_dir) {
+  const std::string saved_path = run_dir + "/config.yaml";
+  if (!std::filesystem::exists(saved_path)) fail(run_dir, "config.yaml", "missing: not a run folder of kvbound train");
+  const Config saved = Config::load(schema, saved_path, {});
+  std::vector<std::string> same_threads = overrides;
+  same_threads.push_back("model.threads=" + std::to_string(saved.get_int("model.threads")));
+  const std::string want = saved.to_yaml(), got = Config::load(schema, config_path, same_threads).to_yaml();
+  if (want == got) return;
+  std::istringstream a(want), b(got);
+  std::string la, lb;
+  while (std::getline(a, la) && std::getline(b, lb) && la == lb) {}
+  const auto trim = [](std::string& line) { line.erase(0, line.find_first_not_of(' ')); };
+  trim(la);
+  trim(lb);
+  fail(saved_path, "--resume", "this config differs from the run's (run: '" + la + "', now: '" + lb +
+                                   "'); resume needs the same config");
+}
+
 }  // namespace
 
 int cmd_train(int argc, char** argv) {
@@ -130,7 +180,7 @@ int cmd_train(int argc, char** argv) {
   cxxopts::Options o("kvbound train", "Train a learned KV-eviction method on the frozen backbone. Override any config "
                                       "key with --set key=value (e.g. --set train.lr=1e-3).");
   o.add_options()("config", "YAML config (see configs/trimkv/)", cxxopts::value<std::string>())(
-      "resume", "continue run.out_dir's latest checkpoint (the config must be the run's)")(
+      "resume", "continue run.out_dir's latest checkpoint (same config; model.threads may differ)")(
       "stop-after", "stop after N updates in this invocation, with a checkpoint", cxxopts::value<std::int64_t>())(
       "h,help", "show help");
   o.parse_positional({"config"});
@@ -140,9 +190,11 @@ int cmd_train(int argc, char** argv) {
     std::cout << o.help() << "\nconfig keys:\n" << schema.describe() << "\n";
     return 0;
   }
-  const Config config = Config::load(schema, r.count("config") ? r["config"].as<std::string>() : "", overrides);
+  const std::string config_path = r.count("config") ? r["config"].as<std::string>() : "";
+  const Config config = Config::load(schema, config_path, overrides);
   TrainerSettings settings = trainer_settings(config);
   settings.resume = r.count("resume") > 0;
+  if (settings.resume) check_same_run(schema, config_path, overrides, settings.run_dir);
   if (r.count("stop-after")) {
     settings.stop_after = r["stop-after"].as<std::int64_t>();
     if (settings.stop_after < 1) fail("--stop-after", "N", "must be >= 1");

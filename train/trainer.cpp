@@ -13,7 +13,7 @@
 #include "checkpoints/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "eval/progress.h"
-#include "train/run_checkpoint.h"
+#include "checkpoints/run_checkpoint.h"
 
 namespace kvbound {
 namespace {
@@ -85,9 +85,6 @@ TrainSummary train(const Backbone& model, TrainingMethod& method, const Training
     const RunCheckpoint ck = load_latest_checkpoint(s.run_dir);
     last_good = latest_checkpoint_path(s.run_dir);
     if (ck.method != method.name()) fail(last_good, "__metadata__.method", "'" + ck.method + "' but this run trains " + method.name());
-    if (ck.config_hash != s.config_hash)
-      fail(last_good, "__metadata__.config_hash",
-           "the config differs from the one this run was started with (see " + s.run_dir + "/config.yaml); resume needs the same config");
     {
       const at::NoGradGuard no_grad;
       for (std::size_t i = 0; i < names.size(); ++i) {

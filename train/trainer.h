@@ -6,7 +6,7 @@
 // Run folder (settings.run_dir):
 //   config.yaml        the resolved config (written by the command)
 //   metrics.jsonl      one JSON object per logged step ("type": "train") and per evaluation ("type": "eval")
-//   checkpoints/       step_*.safetensors + LATEST (train/run_checkpoint.h)
+//   checkpoints/       step_*.safetensors + LATEST (checkpoints/run_checkpoint.h)
 //   best.safetensors   the trainable tensors at the best periodic eval (lowest KL), with its step and KL
 #pragma once
 #include <cstdint>
@@ -35,7 +35,7 @@ struct TrainerSettings {
   double lr = 2e-3, min_lr = 0.0, grad_clip = 1.0;
   AdamWSettings adamw;
   std::int64_t log_every = 1, checkpoint_every = 50, keep_checkpoints = 3;
-  bool resume = false;         // continue from run_dir's latest checkpoint
+  bool resume = false;         // continue from run_dir's latest checkpoint (the caller checks it is the same run)
   std::int64_t stop_after = 0; // > 0: stop after this many updates in this invocation (checkpointing first)
 };
 

@@ -15,5 +15,6 @@ std::unique_ptr<EvictionPolicy> make_tova(const PolicyOptions&);
 std::unique_ptr<EvictionPolicy> make_knorm(const PolicyOptions&);
 std::unique_ptr<EvictionPolicy> make_keydiff(const PolicyOptions&);
 std::unique_ptr<EvictionPolicy> make_trimkv(const PolicyOptions&);
+std::unique_ptr<EvictionPolicy> make_indexmem(const PolicyOptions&);
 
 }  // namespace kvbound::policies

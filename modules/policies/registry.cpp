@@ -22,6 +22,7 @@ const std::map<std::string, Factory>& registry() {
       {"knorm", policies::make_knorm},
       {"keydiff", policies::make_keydiff},
       {"trimkv", policies::make_trimkv},
+      {"indexmem", policies::make_indexmem},
   };
   return all;
 }

@@ -1,4 +1,4 @@
-#include "train/run_checkpoint.h"
+#include "checkpoints/run_checkpoint.h"
 
 #include <cstdio>
 #include <filesystem>

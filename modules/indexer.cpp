@@ -1,0 +1,159 @@
+#include "modules/indexer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/normal.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+
+#include "checkpoints/errors.h"
+#include "modules/backbone.h"
+
+namespace kvbound {
+namespace {
+
+at::Tensor rms_norm_unweighted(const at::Tensor& x) { return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6); }
+
+bool parse_bool(const std::string& v, const std::string& source, const std::string& key) {
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0") return false;
+  fail(source, key, "'" + v + "' is not a boolean");
+}
+
+}  // namespace
+
+IndexerSettings indexer_settings(const std::map<std::string, std::string>& m, const std::string& source) {
+  IndexerSettings s;
+  if (m.count("d_index")) {
+    try {
+      s.d_index = std::stoll(m.at("d_index"));
+    } catch (const std::exception&) {
+      fail(source, "d_index", "'" + m.at("d_index") + "' is not an integer");
+    }
+  }
+  if (m.count("key_heads")) s.key_heads = m.at("key_heads");
+  if (m.count("rope")) s.rope = parse_bool(m.at("rope"), source, "rope");
+  if (m.count("relu")) s.relu = parse_bool(m.at("relu"), source, "relu");
+  return s;
+}
+
+std::map<std::string, std::string> indexer_metadata(const IndexerSettings& s) {
+  return {{"d_index", std::to_string(s.d_index)},
+          {"key_heads", s.key_heads},
+          {"rope", s.rope ? "true" : "false"},
+          {"relu", s.relu ? "true" : "false"}};
+}
+
+std::string Indexer::tensor_prefix(std::int64_t layer) {
+  return "model.layers." + std::to_string(layer) + ".self_attn.indexer.";
+}
+
+Indexer::Indexer(const ModelConfig& c, const IndexerSettings& s) : settings_(s) {
+  if (s.key_heads != "kv" && s.key_heads != "1") fail("config", "indexmem.key_heads", "'" + s.key_heads + "' (kv, 1)");
+  if (s.d_index < 1 || (s.rope && s.d_index % 2 != 0))
+    fail("config", "indexmem.d_index", "must be >= 1 (and even with rope), got " + std::to_string(s.d_index));
+  key_heads_ = s.key_heads == "kv" ? c.num_kv_heads : 1;
+  ModelConfig at_d = c;
+  at_d.head_dim = s.d_index;
+  inv_freq_ = rope_inverse_frequencies(at_d);
+}
+
+Indexer Indexer::init(const ModelConfig& c, const IndexerSettings& s, std::uint64_t seed) {
+  Indexer ix(c, s);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  for (std::int64_t i = 0; i < c.num_layers; ++i) {
+    Layer L;
+    L.wq = at::normal(0.0, s.init_std, {s.d_index, c.head_dim}, gen, f32);
+    L.wk = at::normal(0.0, s.init_std, {ix.key_heads_ * s.d_index, c.hidden_size}, gen, f32);
+    L.ww = at::normal(0.0, s.init_std, {c.num_heads, c.hidden_size}, gen, f32);
+    L.bw = at::zeros({c.num_heads}, f32);
+    for (at::Tensor* t : {&L.wq, &L.wk, &L.ww, &L.bw}) t->set_requires_grad(true);
+    ix.layers_.push_back(std::move(L));
+  }
+  return ix;
+}
+
+Indexer Indexer::from_tensors(const std::map<std::string, at::Tensor>& tensors, const ModelConfig& c,
+                              const IndexerSettings& s, const std::string& source) {
+  Indexer ix(c, s);
+  auto take = [&](const std::string& name, std::vector<std::int64_t> shape) {
+    const auto it = tensors.find(name);
+    if (it == tensors.end()) fail(source, name, "missing tensor (is this an IndexMem indexer file for this model?)");
+    if (it->second.sizes() != at::IntArrayRef(shape)) {
+      std::string want, got;
+      for (auto v : shape) want += (want.empty() ? "" : ", ") + std::to_string(v);
+      for (auto v : it->second.sizes()) got += (got.empty() ? "" : ", ") + std::to_string(v);
+      fail(source, name, "shape [" + got + "] expected [" + want + "] for this model and indexer settings");
+    }
+    return it->second.to(at::kFloat).contiguous().clone();
+  };
+  for (std::int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = tensor_prefix(i);
+    Layer L;
+    L.wq = take(p + "wq", {s.d_index, c.head_dim});
+    L.wk = take(p + "wk", {ix.key_heads_ * s.d_index, c.hidden_size});
+    L.ww = take(p + "ww", {c.num_heads, c.hidden_size});
+    L.bw = take(p + "bw", {c.num_heads});
+    ix.layers_.push_back(std::move(L));
+  }
+  const std::string extra = tensor_prefix(c.num_layers) + "wq";
+  if (tensors.count(extra)) fail(source, extra, "indexer for more layers than the model has (" + std::to_string(c.num_layers) + ")");
+  return ix;
+}
+
+at::Tensor Indexer::query(std::int64_t layer, const at::Tensor& q_pre_rope, const at::Tensor& positions) const {
+  const Layer& L = layers_.at(static_cast<std::size_t>(layer));
+  const at::Tensor q = rms_norm_unweighted(at::linear(q_pre_rope.to(at::kFloat), L.wq));
+  return settings_.rope ? apply_rope(q, positions, inv_freq_) : q;
+}
+
+at::Tensor Indexer::key(std::int64_t layer, const at::Tensor& x, const at::Tensor& positions) const {
+  const Layer& L = layers_.at(static_cast<std::size_t>(layer));
+  const std::int64_t B = x.size(0), T = x.size(1);
+  const at::Tensor k =
+      rms_norm_unweighted(at::linear(x.to(at::kFloat), L.wk).view({B, T, key_heads_, settings_.d_index}).transpose(1, 2));
+  return settings_.rope ? apply_rope(k, positions, inv_freq_) : k;
+}
+
+at::Tensor Indexer::head_weights(std::int64_t layer, const at::Tensor& x) const {
+  const Layer& L = layers_.at(static_cast<std::size_t>(layer));
+  return at::sigmoid(at::linear(x.to(at::kFloat), L.ww, L.bw)).permute({0, 2, 1});
+}
+
+at::Tensor Indexer::score(const at::Tensor& qI, const at::Tensor& w, const at::Tensor& kI) const {
+  const std::int64_t B = qI.size(0), Hq = qI.size(1), S = qI.size(2), Hc = kI.size(1);
+  // Each cache head's group of query heads: its own G = Hq/Hc heads ("kv"), or every head (one shared key).
+  const bool per_kv_head = key_heads_ != 1 || Hc == 1;
+  const std::int64_t G = per_kv_head ? Hq / Hc : Hq;
+  const at::Tensor q = per_kv_head ? qI.reshape({B, Hc, G, S, settings_.d_index}) : qI.unsqueeze(1);
+  const at::Tensor wg = per_kv_head ? w.reshape({B, Hc, G, S, 1}) : w.view({B, 1, Hq, S, 1});
+  at::Tensor dots = at::matmul(q, kI.unsqueeze(2).transpose(-1, -2));  // [B, Hc, G, S, N]
+  if (settings_.relu) dots = at::relu(dots);
+  return (wg * dots).sum(2) / std::sqrt(static_cast<double>(settings_.d_index));
+}
+
+std::vector<at::Tensor> Indexer::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const Layer& L : layers_) out.insert(out.end(), {L.wq, L.wk, L.ww, L.bw});
+  return out;
+}
+
+std::map<std::string, at::Tensor> Indexer::named_tensors() const {
+  std::map<std::string, at::Tensor> out;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const std::string p = tensor_prefix(static_cast<std::int64_t>(i));
+    out[p + "wq"] = layers_[i].wq;
+    out[p + "wk"] = layers_[i].wk;
+    out[p + "ww"] = layers_[i].ww;
+    out[p + "bw"] = layers_[i].bw;
+  }
+  return out;
+}
+
+}  // namespace kvbound
