@@ -7,7 +7,7 @@
 #include <chrono>
 
 #include "checkpoints/errors.h"
-#include "modules/budgeted_cache.h"
+#include "modules/memory_cache.h"
 
 namespace kvbound {
 namespace {
@@ -45,7 +45,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
                       ContinuationTotals& totals) {
   const std::int64_t T = ref.tokens.size(0);
   check(settings, T);
-  BudgetedCache budgeted(policy, budget, settings.buffer);
+  BudgetedHook hook(policy, budget, settings.buffer);
   KVCache cache = model.make_cache();
   const at::Tensor tokens = ref.tokens.unsqueeze(0);
 
@@ -54,7 +54,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   at::Tensor last_hidden;
   for (std::int64_t s = 0; s < settings.prefill_len; s += settings.chunk_size) {
     const std::int64_t n = std::min(settings.chunk_size, settings.prefill_len - s);
-    last_hidden = model.forward_hidden(tokens.narrow(1, s, n), cache, &budgeted)[0][-1];
+    last_hidden = model.forward_hidden(tokens.narrow(1, s, n), cache, hook.get())[0][-1];
   }
   totals.prefill_seconds += seconds_since(t0);
   totals.prefill_tokens += settings.prefill_len;
@@ -64,7 +64,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   if (settings.score_from == settings.prefill_len) rows.push_back(last_hidden.unsqueeze(0));
   t0 = Clock::now();
   for (std::int64_t t = settings.prefill_len; t < T - 1; ++t) {
-    const at::Tensor h = model.forward_hidden(tokens.narrow(1, t, 1), cache, &budgeted)[0];
+    const at::Tensor h = model.forward_hidden(tokens.narrow(1, t, 1), cache, hook.get())[0];
     if (t + 1 >= settings.score_from) rows.push_back(h);
   }
   totals.decode_seconds += seconds_since(t0);
@@ -77,7 +77,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   totals.kl += (full.exp() * (full - logprobs)).sum().item<double>();
   totals.agree += (full.argmax(-1) == logprobs.argmax(-1)).sum().item<double>();
   totals.scored += targets.size(0);
-  totals.peak_kv_bytes = std::max(totals.peak_kv_bytes, budgeted.peak_kv_bytes());
+  totals.peak_kv_bytes = std::max(totals.peak_kv_bytes, hook.budgeted().peak_kv_bytes());
 }
 
 }  // namespace kvbound

@@ -6,7 +6,7 @@
 #include <random>
 
 #include "checkpoints/errors.h"
-#include "modules/budgeted_cache.h"
+#include "modules/memory_cache.h"
 #include "modules/sampler.h"
 
 namespace kvbound {
@@ -46,13 +46,13 @@ std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, cons
 
 std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
                              std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
-  BudgetedCache budgeted(policy, budget, s.buffer);
+  BudgetedHook hook(policy, budget, s.buffer);
   KVCache cache = model.make_cache();
   const at::Tensor prompt = at::tensor(c.prompt, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
   const std::int64_t T = prompt.size(1);
   at::Tensor logits;
   for (std::int64_t start = 0; start < T; start += s.chunk_size) {
-    const at::Tensor hidden = model.forward_hidden(prompt.narrow(1, start, std::min(s.chunk_size, T - start)), cache, &budgeted);
+    const at::Tensor hidden = model.forward_hidden(prompt.narrow(1, start, std::min(s.chunk_size, T - start)), cache, hook.get());
     logits = model.logits(hidden[0][-1]);
   }
   Sampler greedy({});
@@ -62,7 +62,7 @@ std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, 
     if (next == tokenizer.eos_id()) break;
     answer.push_back(next);
     const at::Tensor input = at::tensor(std::vector<std::int64_t>{next}, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
-    logits = model.logits(model.forward_hidden(input, cache, &budgeted)[0][-1]);
+    logits = model.logits(model.forward_hidden(input, cache, hook.get())[0][-1]);
   }
   return tokenizer.decode(answer);
 }

@@ -53,6 +53,7 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
   // Top-`budget` per (batch, KV head), kept in position order.
   const at::Tensor keep = std::get<0>(at::sort(std::get<1>(at::topk(scores, budget_, -1)), -1));
+  if (on_evict_) on_evict_(layer, keep, cache);
   cache.retain(layer, keep);
   policy_.retained(layer, keep);
   ++evictions_;

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "modules/backbone.h"
@@ -20,6 +21,11 @@ class BudgetedCache final : public AttentionHook {
 
   void after_attention(AttentionCall& call, KVCache& cache) override;
 
+  // Called on every cut, before KVCache::retain, with the kept entries `keep` [B, Hkv, M] (sorted) while
+  // `cache` still holds every entry: the latent memory reads the evicted ones from it.
+  using EvictionCallback = std::function<void(std::int64_t layer, const at::Tensor& keep, const KVCache& cache)>;
+  void on_evict(EvictionCallback callback) { on_evict_ = std::move(callback); }
+
   // Largest number of entries any layer held (per KV head), and the sum over layers of each layer's
   // peak in bytes (keys + values): what the cache must be able to hold.
   std::int64_t peak_entries() const { return peak_entries_; }
@@ -31,6 +37,7 @@ class BudgetedCache final : public AttentionHook {
   std::int64_t budget_, buffer_;
   std::int64_t peak_entries_ = 0, evictions_ = 0;
   std::vector<std::int64_t> layer_peak_bytes_;
+  EvictionCallback on_evict_;
 };
 
 // Attention probabilities of the chunk's queries over every cache entry, [B, Hkv, G, T, N] in float32,

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "modules/backbone.h"
 #include "modules/kv_cache.h"
@@ -14,6 +15,7 @@ namespace kvbound {
 
 class RetentionGates;
 class Indexer;
+class LatentMemory;
 
 // What a policy may look at after a chunk's attention in one layer.
 struct PolicyView {
@@ -39,6 +41,14 @@ class EvictionPolicy {
   virtual at::Tensor score(const PolicyView& view) = 0;
   // The cache kept entries `index` [B, Hkv, M] (sorted) of `layer`: gather per-entry state.
   virtual void retained(std::int64_t layer, const at::Tensor& index) { (void)layer; (void)index; }
+
+  // The latent memory a "<policy>+mem" name attaches (null otherwise). Scoring never looks at it: the
+  // engine's hook (BudgetedHook, modules/memory_cache.h) wraps its budgeted cache in the memory.
+  const std::shared_ptr<const LatentMemory>& memory() const { return memory_; }
+  void attach_memory(std::shared_ptr<const LatentMemory> memory) { memory_ = std::move(memory); }
+
+ private:
+  std::shared_ptr<const LatentMemory> memory_;
 };
 
 // Settings shared by the heuristics; each policy reads the ones it uses.
@@ -53,6 +63,8 @@ struct PolicyOptions {
   // indexmem: the trained indexer (an export loaded by the command, or a trainer's live indexer).
   std::shared_ptr<const Indexer> indexer;
   std::int64_t indexmem_recent = 8;  // indexmem: most recent tokens always kept
+  // "<policy>+mem": the trained latent memory (an export loaded by the command, or a trainer's live memory).
+  std::shared_ptr<const LatentMemory> memory;
 };
 
 }  // namespace kvbound

@@ -19,6 +19,7 @@
 #include "modules/backbone.h"
 #include "modules/policies/registry.h"
 #include "modules/indexer.h"
+#include "modules/latent_memory.h"
 #include "modules/retention_gate.h"
 #include "train/commands.h"
 #include "train/config.h"
@@ -54,7 +55,8 @@ ConfigSchema eval_schema() {
       .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
       .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)")
       .add("indexmem.weights", ConfigType::String, "\"\"", "indexmem: indexer file from `kvbound export` (required by policy indexmem)")
-      .add("indexmem.recent", ConfigType::Int, "8", "indexmem: most recent tokens always kept");
+      .add("indexmem.recent", ConfigType::Int, "8", "indexmem: most recent tokens always kept")
+      .add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)");
   return s;
 }
 
@@ -135,6 +137,11 @@ int cmd_eval(int argc, char** argv) {
     settings.policy_options.indexer = std::make_shared<const Indexer>(Indexer::from_tensors(
         file.tensors, model->config(), indexer_settings(file.metadata, indexer_path), indexer_path));
   }
+  const std::string memory_path = config.get_string("memory.weights");
+  if (!memory_path.empty()) {
+    settings.policy_options.memory = std::make_shared<const LatentMemory>(
+        LatentMemory::from_tensors(read_safetensors(memory_path).tensors, model->config(), memory_path));
+  }
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");
@@ -148,6 +155,7 @@ int cmd_eval(int argc, char** argv) {
   results.meta["text"] = settings.text_path;
   if (!gates_path.empty()) results.meta["trimkv_gates"] = gates_path;
   if (!indexer_path.empty()) results.meta["indexmem_weights"] = indexer_path;
+  if (!memory_path.empty()) results.meta["memory_weights"] = memory_path;
   write_results_json(results, out_dir + "/results.json");
   const std::string table = results_markdown(results);
   write_file_atomic(out_dir + "/results.md", table);

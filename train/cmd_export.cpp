@@ -51,6 +51,7 @@ int cmd_export(int argc, char** argv) {
   for (const char* key : {"method", "backbone", "architecture", "num_layers", "hidden_size", "num_kv_heads",
                           "retention_gate_intermediate_size", "retention_gate_bias_init", "hidden_act", "budget",
                           "stage", "d_index", "key_heads", "rope", "relu", "pool", "window", "min_gap", "recent",
+                          "d_memory", "memory_policy", "memory_budgets", "memory_chunk",
                           "config_hash", "step", "eval_kl", "eval_budget"})
     if (file.metadata.count(key)) meta[key] = file.metadata.at(key);
   meta["format"] = "kvbound-export";

@@ -1,7 +1,8 @@
 // `kvbound train CONFIG [--set key=value ...] [--resume] [--stop-after N]`: trains a learned method's
-// modules on the frozen backbone (train.method: trimkv | indexmem) and writes the run folder described in
-// train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically (same config
-// required; model.threads may differ); `--stop-after N` ends this invocation after N updates with a checkpoint (time-sliced jobs).
+// modules on the frozen backbone (train.method: trimkv | indexmem | memory) and writes the run folder
+// described in train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically
+// (same config required; model.threads may differ); `--stop-after N` ends this invocation after N
+// updates with a checkpoint (time-sliced jobs).
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
@@ -20,6 +21,7 @@
 #include "checkpoints/run_checkpoint.h"
 #include "train/trainer.h"
 #include "train/indexmem_method.h"
+#include "train/memory_method.h"
 #include "train/trimkv_method.h"
 
 namespace kvbound {
@@ -33,7 +35,7 @@ ConfigSchema train_schema() {
       .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
       .add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
-      .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv | indexmem")
+      .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv | indexmem | memory")
       .add("train.steps", ConfigType::Int, "200", "optimizer updates")
       .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
       .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")
@@ -69,6 +71,10 @@ ConfigSchema train_schema() {
       .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
       .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap")
       .add("indexmem.recent", ConfigType::Int, "8", "eval policy: newest tokens always kept")
+      .add("memory.dim", ConfigType::Int, "16", "latent memory size d_m (16..64)")
+      .add("memory.policy", ConfigType::String, "h2o", "base eviction policy the memory is trained (and evaluated) with")
+      .add("memory.budgets", ConfigType::IntList, "[16, 32]", "budgets M whose evictions are replayed (loss averaged)")
+      .add("memory.chunk", ConfigType::Int, "16", "replay chunk size (the engine's prefill chunk)")
       .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
   return s;
 }
@@ -107,7 +113,18 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
     if (m.recent < 0) fail("config", "indexmem.recent", "must be >= 0");
     return std::make_unique<IndexMemIndexerMethod>(model, m, static_cast<std::uint64_t>(c.get_int("train.seed")));
   }
-  fail("config", "train.method", "'" + method + "' (trimkv, indexmem)");
+  if (method == "memory") {
+    MemorySettings m;
+    m.memory.dim = c.get_int("memory.dim");
+    if (m.memory.dim < 1) fail("config", "memory.dim", "must be >= 1");
+    m.policy = c.get_string("memory.policy");
+    if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
+      fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
+    m.budgets = c.get_int_list("memory.budgets");
+    m.chunk = c.get_int("memory.chunk");
+    return std::make_unique<MemoryMethod>(model, m, static_cast<std::uint64_t>(c.get_int("train.seed")));
+  }
+  fail("config", "train.method", "'" + method + "' (trimkv, indexmem, memory)");
 }
 
 TrainerSettings trainer_settings(const Config& c) {
@@ -229,7 +246,7 @@ int cmd_train(int argc, char** argv) {
     std::cout << ", best eval KL " << summary.best_eval_kl << " at step " << summary.best_step << " (M="
               << eval.budget << ")";
   std::cout << "\n[train] run folder: " << settings.run_dir << " (export: kvbound export " << settings.run_dir
-            << " --out gates.safetensors)\n";
+            << " --best --out " << method->name() << ".safetensors)\n";
   return 0;
 }
 

@@ -30,6 +30,15 @@ const std::map<std::string, Factory>& registry() {
 }  // namespace
 
 std::unique_ptr<EvictionPolicy> make_policy(const std::string& name, const PolicyOptions& options) {
+  // "<policy>+mem" is the base policy carrying the latent memory: the engine's hook, not the scores, uses it.
+  const std::string suffix = "+mem";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    if (!options.memory)
+      fail("config", "memory.weights", "policy " + name + " needs trained latent memory weights (set memory.weights)");
+    auto policy = make_policy(name.substr(0, name.size() - suffix.size()), options);
+    policy->attach_memory(options.memory);
+    return policy;
+  }
   const auto it = registry().find(name);
   if (it == registry().end()) {
     std::string known;

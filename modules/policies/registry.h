@@ -8,7 +8,8 @@
 
 namespace kvbound {
 
-// Throws kvbound::Error("policy: NAME: unknown policy (known: ...)") for an unknown name.
+// Throws kvbound::Error("policy: NAME: unknown policy (known: ...)") for an unknown name. "NAME+mem" is
+// NAME with options.memory attached (an error without one): see modules/memory_cache.h.
 std::unique_ptr<EvictionPolicy> make_policy(const std::string& name, const PolicyOptions& options);
 std::vector<std::string> policy_names();
 

@@ -1,0 +1,66 @@
+// The latent memory around a budgeted cache ("<policy>+mem", DESIGN.md "Latent memory"), and the one
+// place the engine builds its per-sequence hook, so continuation and retrieval treat "+mem" alike.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "modules/backbone.h"
+#include "modules/budgeted_cache.h"
+#include "modules/eviction_policy.h"
+#include "modules/latent_memory.h"
+
+namespace kvbound {
+
+// Per layer and chunk: (1) read g(q)·m(q) for the chunk's queries from the memory as it stands, (2) let the
+// budgeted cache observe and evict, writing every evicted entry into the memory, (3) add the read to the
+// attention output. The read comes before this chunk's evictions are written because the chunk's
+// attention already saw those entries (they were still cached): reading them back would count them
+// twice. The memory trainer (train/memory_method) replays exactly this order.
+//
+// The cache holds post-RoPE keys, the memory wants pre-RoPE ones: this hook keeps each layer's pre-RoPE
+// keys aligned with the cache entries (appended per chunk, gathered with the same keep index). Undoing
+// RoPE on evicted keys would save that copy but differ from the trainer's keys by rounding, and the
+// cache's per-head positions would need their own cos/sin; the copy is exact and only the bounded
+// cache's size (budget + buffer + chunk entries).
+class MemoryAugmentedCache final : public AttentionHook {
+ public:
+  MemoryAugmentedCache(BudgetedCache& budgeted, std::shared_ptr<const LatentMemory> memory);
+  MemoryAugmentedCache(const MemoryAugmentedCache&) = delete;  // the budgeted cache's callback points here
+  MemoryAugmentedCache& operator=(const MemoryAugmentedCache&) = delete;
+  ~MemoryAugmentedCache() override { budgeted_.on_evict(nullptr); }  // the cache may outlive this hook
+
+  void after_attention(AttentionCall& call, KVCache& cache) override;
+  const MemoryState& state() const { return state_; }
+
+ private:
+  void write_evicted(std::int64_t layer, const at::Tensor& keep, const KVCache& cache);
+
+  BudgetedCache& budgeted_;
+  std::shared_ptr<const LatentMemory> memory_;
+  MemoryState state_;
+  std::vector<at::Tensor> pre_rope_keys_;  // per layer [B, Hkv, N, D], aligned with the cache's entries
+};
+
+// The engine's hook for one sequence: a BudgetedCache, wrapped by a MemoryAugmentedCache when the policy
+// carries a latent memory (make_policy("<policy>+mem")).
+class BudgetedHook {
+ public:
+  BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0);
+  BudgetedHook(const BudgetedHook&) = delete;
+  BudgetedHook& operator=(const BudgetedHook&) = delete;
+
+  AttentionHook* get() { return memory_ ? static_cast<AttentionHook*>(memory_.get()) : &budgeted_; }
+  const BudgetedCache& budgeted() const { return budgeted_; }
+
+ private:
+  BudgetedCache budgeted_;
+  std::unique_ptr<MemoryAugmentedCache> memory_;
+};
+
+// Indices [B, Hkv, N − M] of the entries not in `keep` [B, Hkv, M] (sorted) out of N, in increasing order.
+at::Tensor evicted_index(const at::Tensor& keep, std::int64_t n);
+
+}  // namespace kvbound

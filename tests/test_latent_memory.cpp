@@ -1,0 +1,298 @@
+// The latent memory (modules/latent_memory) and "<policy>+mem" (modules/memory_cache): batched writes
+// equal the one-token recurrence, the hook writes every evicted token exactly once, a closed gate or an
+// unbounded budget leaves the base policy's output untouched, the named tensors round-trip through
+// safetensors, "+mem" without weights is an error, and `kvbound train` trains and exports the memory.
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/elu.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "checkpoints/errors.h"
+#include "checkpoints/safetensors_io.h"
+#include "golden_reader.h"
+#include "modules/backbone.h"
+#include "modules/indexer.h"
+#include "modules/latent_memory.h"
+#include "modules/memory_cache.h"
+#include "modules/policies/registry.h"
+#include "modules/retention_gate.h"
+#include "test_env.h"
+#include "train/memory_method.h"
+
+using namespace kvbound;
+
+namespace {
+
+struct Fixture {
+  std::unique_ptr<Backbone> model;
+  at::Tensor tokens;  // [1, 60]
+};
+
+const Fixture& tiny() {
+  static const Fixture f = [] {
+    Fixture x;
+    const std::string dir = test::test_data("tiny/llama_tied");
+    x.model = Backbone::load(dir, at::kFloat);
+    x.tokens = test::read_golden(dir, "logits").input_ids.narrow(0, 0, 1).narrow(1, 0, 60);
+    return x;
+  }();
+  return f;
+}
+
+// A memory whose gate bias is `cg` everywhere (open: +4, closed: −1e4), everything else from init.
+std::shared_ptr<const LatentMemory> memory_with_gate_bias(double cg) {
+  const ModelConfig& c = tiny().model->config();
+  std::map<std::string, at::Tensor> t = LatentMemory::init(c, {}, 5).named_tensors();
+  for (auto& [name, tensor] : t)
+    if (name.size() > 2 && name.substr(name.size() - 2) == "cg") tensor = at::full_like(tensor, cg);
+  return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, "test"));
+}
+
+// Chunked prefill of `prefill` tokens, then token-by-token decode, through the engine's hook; every logit.
+at::Tensor run(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
+               std::shared_ptr<const LatentMemory> memory) {
+  const Fixture& f = tiny();
+  PolicyOptions options;
+  options.seed = 3;
+  options.snapkv_window = 6;
+  options.trimkv_gates = std::make_shared<const RetentionGates>(RetentionGates::init(f.model->config(), {16, 2.0, 0.5}, 9));
+  options.indexer = std::make_shared<const Indexer>(Indexer::init(f.model->config(), {8, "kv", true, false, 0.5}, 9));
+  options.memory = std::move(memory);
+  auto policy = make_policy(name, options);
+  BudgetedHook hook(*policy, budget);
+  KVCache cache = f.model->make_cache();
+  std::vector<at::Tensor> out;
+  for (std::int64_t s = 0; s < prefill; s += chunk)
+    out.push_back(f.model->forward(f.tokens.narrow(1, s, std::min(chunk, prefill - s)), cache, hook.get()));
+  for (std::int64_t t = prefill; t < f.tokens.size(1); ++t)
+    out.push_back(f.model->forward(f.tokens.narrow(1, t, 1), cache, hook.get()));
+  return at::cat(out, 1);
+}
+
+class MemPolicy : public ::testing::Test {
+ protected:
+  void SetUp() override { KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32")); }
+};
+
+}  // namespace
+
+TEST(LatentMemory, BatchedWritesEqualTheOneTokenRecurrence) {
+  ModelConfig c;
+  c.num_layers = 1;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  LatentMemorySettings s;
+  s.dim = 5;
+  s.decay_init = 0.8;  // far from 1, so a wrong power of λ shows
+  const LatentMemory memory = LatentMemory::init(c, s, 1);
+  const auto t = memory.named_tensors();
+  const at::Tensor wk = t.at(LatentMemory::tensor_prefix(0) + "wk"), theta = t.at(LatentMemory::tensor_prefix(0) + "theta");
+  const at::Tensor k = at::randn({3, 2, 7, 8}), v = at::randn({3, 2, 7, 8});
+
+  // The definition, token by token: Mem ← λ·Mem + k̂_i v_iᵀ, z ← λ·z + k̂_i.
+  const at::Tensor lambda = at::sigmoid(theta).view({1, 2, 1, 1});
+  at::Tensor mem = at::zeros({3, 2, 5, 8}), z = at::zeros({3, 2, 5, 1});
+  for (std::int64_t i = 0; i < 7; ++i) {
+    const at::Tensor khat = at::elu(at::matmul(k.narrow(2, i, 1), wk.transpose(-1, -2))) + 1;  // [3, 2, 1, 5]
+    mem = lambda * mem + at::matmul(khat.transpose(-1, -2), v.narrow(2, i, 1));
+    z = lambda * z + khat.transpose(-1, -2);
+  }
+  MemoryState one(1), split(1), whole(1);
+  for (std::int64_t i = 0; i < 7; ++i) memory.write(0, one, k.narrow(2, i, 1), v.narrow(2, i, 1));
+  memory.write(0, split, k.narrow(2, 0, 3), v.narrow(2, 0, 3));
+  memory.write(0, split, k.narrow(2, 3, 4), v.narrow(2, 3, 4));
+  memory.write(0, whole, k, v);
+  for (const MemoryState* st : {&one, &split, &whole}) {
+    EXPECT_TRUE(at::allclose(st->layer(0).mem, mem, 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(st->layer(0).z, z.squeeze(-1), 1e-5, 1e-5));
+  }
+  // An empty memory reads exactly 0; a written one does not.
+  const at::Tensor q = at::randn({3, 4, 6, 8});
+  EXPECT_TRUE(at::equal(memory.read(0, MemoryState(1), q), at::zeros({3, 4, 6, 8})));
+  EXPECT_GT(memory.read(0, whole, q).abs().max().item<double>(), 0);
+}
+
+TEST(LatentMemory, EvictedIndexIsTheSortedComplementOfKeep) {
+  const at::Tensor keep = at::tensor(std::vector<std::int64_t>{0, 3, 4, 1, 2, 5}).view({1, 2, 3});
+  const at::Tensor want = at::tensor(std::vector<std::int64_t>{1, 2, 5, 0, 3, 4}).view({1, 2, 3});
+  EXPECT_TRUE(at::equal(evicted_index(keep, 6), want));
+}
+
+TEST_F(MemPolicy, NamedTensorsRoundTripThroughSafetensors) {
+  const ModelConfig& c = tiny().model->config();
+  const LatentMemory memory = LatentMemory::init(c, {}, 2);
+  const test::TempDir dir("latent_memory");
+  const std::map<std::string, at::Tensor> written = memory.named_tensors();
+  EXPECT_EQ(written.size(), static_cast<std::size_t>(5 * c.num_layers));
+  EXPECT_TRUE(written.count("model.layers.0.self_attn.latent_memory.wk"));
+  write_safetensors(dir / "memory.safetensors", written);
+  const auto read = LatentMemory::from_tensors(read_safetensors(dir / "memory.safetensors").tensors, c, "file").named_tensors();
+  ASSERT_EQ(read.size(), written.size());
+  for (const auto& [name, t] : written) EXPECT_TRUE(at::equal(read.at(name), t.detach())) << name;
+  EXPECT_EQ(LatentMemory::from_tensors(read, c, "file").dim(), 16);
+
+  std::map<std::string, at::Tensor> broken = written;
+  broken.erase("model.layers.1.self_attn.latent_memory.wg");
+  try {
+    LatentMemory::from_tensors(broken, c, "file");
+    FAIL() << "a missing tensor must be an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("file: model.layers.1.self_attn.latent_memory.wg"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(MemPolicy, PlusMemWithoutWeightsFailsNamingMemoryWeights) {
+  try {
+    make_policy("h2o+mem", PolicyOptions{});
+    FAIL() << "h2o+mem without memory weights must be an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("memory.weights"), std::string::npos) << e.what();
+  }
+  PolicyOptions o;
+  o.memory = memory_with_gate_bias(0);
+  EXPECT_THROW(make_policy("nope+mem", o), Error);
+  EXPECT_TRUE(make_policy("h2o+mem", o)->memory());
+  EXPECT_FALSE(make_policy("h2o", o)->memory());
+}
+
+TEST_F(MemPolicy, ClosedGateEqualsTheBasePolicyAndAnOpenOneChangesIt) {
+  const at::Tensor h2o = run("h2o", 8, 5, 33, nullptr);
+  EXPECT_TRUE(at::equal(run("h2o+mem", 8, 5, 33, memory_with_gate_bias(-1e4)), h2o));
+  EXPECT_GT((run("h2o+mem", 8, 5, 33, memory_with_gate_bias(4)) - h2o).abs().max().item<double>(), 1e-3);
+}
+
+TEST_F(MemPolicy, BudgetAtLeastTheLengthEqualsFullForEveryPolicy) {
+  const at::Tensor full = run("full", 1000, 7, 30, nullptr);
+  for (const std::string& name : policy_names())
+    EXPECT_TRUE(at::equal(run(name + "+mem", 60, 7, 30, memory_with_gate_bias(4)), full)) << name;
+}
+
+TEST_F(MemPolicy, TheHookWritesEveryEvictedTokenExactlyOnce) {
+  // λ = 1 (θ = 40) and W_mk = 0 make k̂ = 1 for every token, so z counts the tokens written.
+  const Fixture& f = tiny();
+  const ModelConfig& c = f.model->config();
+  std::map<std::string, at::Tensor> t = LatentMemory::init(c, {}, 5).named_tensors();
+  for (auto& [name, tensor] : t) {
+    if (name.substr(name.size() - 2) == "wk") tensor = at::zeros_like(tensor);
+    if (name.substr(name.size() - 5) == "theta") tensor = at::full_like(tensor, 40.0);
+  }
+  auto policy = make_policy("h2o", {});
+  BudgetedCache budgeted(*policy, 8);
+  MemoryAugmentedCache hook(budgeted, std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, "test")));
+  KVCache cache = f.model->make_cache();
+  for (std::int64_t s = 0; s < 33; s += 5) f.model->forward(f.tokens.narrow(1, s, std::min<std::int64_t>(5, 33 - s)), cache, &hook);
+  for (std::int64_t l = 0; l < c.num_layers; ++l) {
+    const at::Tensor z = hook.state().layer(l).z;
+    EXPECT_TRUE(at::equal(z, at::full_like(z, static_cast<double>(33 - cache.size(l))))) << "layer " << l;
+  }
+}
+
+TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
+  const Fixture& f = tiny();
+  MemorySettings s;
+  s.memory.dim = 4;
+  s.budgets = {8, 12};
+  s.chunk = 5;
+  MemoryMethod method(*f.model, s, 1);
+  Batch batch;
+  batch.inputs = f.tokens;
+  batch.weights = at::ones({1, f.tokens.size(1)});
+  const StepLoss loss = method.loss(batch);
+  EXPECT_GT(loss.total.item<double>(), 0);
+  EXPECT_EQ(loss.per_layer.size(), static_cast<std::size_t>(f.model->config().num_layers));
+  loss.total.backward();
+  for (const auto& [name, p] : method.named_parameters()) {
+    ASSERT_TRUE(p.grad().defined()) << name;
+    EXPECT_GT(p.grad().abs().max().item<double>(), 0) << name;
+  }
+  EXPECT_TRUE(method.eval_policy()->memory());  // the periodic eval runs h2o+mem
+}
+
+// Layer 0 sees the same input with or without eviction upstream, so the trainer's replay of layer 0 must
+// reproduce the engine's layer-0 output exactly: same read/evict/write order, same attention.
+TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngine) {
+  const Fixture& f = tiny();
+  MemorySettings s;
+  s.memory.gate_bias_init = 2;  // an open gate, so the memory's share of the output is large
+  s.budgets = {8};
+  s.chunk = 5;
+  MemoryMethod method(*f.model, s, 1);
+  Batch batch;
+  batch.inputs = f.tokens;
+  batch.weights = at::ones({1, f.tokens.size(1)});
+  const double replay_mse = method.loss(batch).per_layer.at(0);
+
+  struct LayerZero : AttentionHook {
+    AttentionHook* inner = nullptr;
+    std::vector<at::Tensor> outputs;
+    void after_attention(AttentionCall& call, KVCache& cache) override {
+      if (inner) inner->after_attention(call, cache);
+      if (call.layer == 0) outputs.push_back(call.output.detach().clone());
+    }
+  };
+  const at::NoGradGuard no_grad;
+  LayerZero full, engine;
+  KVCache full_cache = f.model->make_cache(), cache = f.model->make_cache();
+  f.model->forward(f.tokens, full_cache, &full);
+  auto policy = method.eval_policy();
+  BudgetedHook hook(*policy, 8);
+  engine.inner = hook.get();
+  for (std::int64_t t = 0; t < 60; t += 5) f.model->forward(f.tokens.narrow(1, t, 5), cache, &engine);
+  // The first cut follows the chunk that ends at position 9 (10 > 8 entries): positions 10.. are scored.
+  const at::Tensor o = at::cat(engine.outputs, 2).narrow(2, 10, 50), o_full = full.outputs[0].narrow(2, 10, 50);
+  EXPECT_NEAR((o - o_full).pow(2).mean().item<double>(), replay_mse, 1e-6 * replay_mse);
+  EXPECT_GT(replay_mse, 0);
+}
+
+// The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate h2o+mem.
+TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
+  namespace fs = std::filesystem;
+  const std::string model = test::shared_data("stories260K"), train = test::shared_data("text/tinystories_train_first2MiB.txt"),
+                    valid = test::shared_data("text/tinystories_valid_first794KB_hf.txt");
+  if (!fs::exists(model + "/model.safetensors") || !fs::exists(train)) GTEST_SKIP() << "missing " << model;
+  test::TempDir dir("memory_cli");
+  std::ofstream(dir / "train.yaml") << "model:\n  path: " << model << "\n  threads: 1\ndata:\n  train_text: " << train
+                                    << "\ntrain:\n  method: memory\n  steps: 3\n  seq_len: 32\n  batch_size: 2\n"
+                                       "  warmup: 1\n  eval_every: 0\nmemory:\n  dim: 8\n  budgets: [8, 12]\n  chunk: 4\n"
+                                    << "run:\n  out_dir: " << (dir / "run") << "\n";
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0) << err;
+  std::ifstream metrics(dir / "run/metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 3u);
+  for (const auto& j : lines) {
+    EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << j.dump();
+    EXPECT_GT(j["mse"].get<double>(), 0.0) << j.dump();
+    EXPECT_EQ(j["mse_per_layer"].size(), 5u) << j.dump();
+  }
+
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "run") + " --out " + (dir / "mem.safetensors"), &out, &err), 0) << err;
+  const auto mem = read_safetensors(dir / "mem.safetensors");
+  EXPECT_EQ(mem.tensors.size(), 5u * 5u);  // 5 layers x (wk, wq, theta, wg, cg)
+  EXPECT_EQ(mem.tensors.at("model.layers.4.self_attn.latent_memory.wk").size(1), 8);
+  EXPECT_EQ(mem.metadata.at("method"), "memory");
+  EXPECT_EQ(mem.metadata.at("memory_policy"), "h2o");
+
+  ASSERT_EQ(test::run_kvbound("eval --set model.path=" + model + " --set model.threads=1 --set eval.text=" + valid +
+                                  " --set eval.policies=[h2o+mem,h2o] --set eval.budgets=[16] --set eval.tasks=[continuation]"
+                                  " --set eval.context_len=64 --set eval.prefill_len=32 --set eval.score_from=32"
+                                  " --set eval.num_windows=1 --set eval.out_dir=" + (dir / "eval") +
+                                  " --set memory.weights=" + (dir / "mem.safetensors"),
+                              &out, &err), 0) << err;
+  std::ifstream in(dir / "eval/results.json");
+  const auto results = nlohmann::json::parse(in);
+  EXPECT_EQ(results["rows"].size(), 2u);
+}
