@@ -1,13 +1,11 @@
 // `kvbound eval CONFIG [--set key=value ...]`: policies x budgets x tasks on one model; writes the
 // resolved config.yaml, results.json, results.md and quality-vs-budget PNG plots into eval.out_dir and
 // prints the Markdown table.
-#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
-#include <thread>
 
 #include "checkpoints/atomic_file.h"
 #include "checkpoints/errors.h"
@@ -23,17 +21,15 @@
 #include "modules/retention_gate.h"
 #include "train/commands.h"
 #include "train/config.h"
+#include "train/model_setup.h"
 
 namespace kvbound {
 namespace {
 
 ConfigSchema eval_schema() {
   ConfigSchema s;
-  s.add("model.path", ConfigType::String, yaml_quote(default_model_path()), "HF folder or .gguf file")
-      .add("model.tokenizer", ConfigType::String, "\"\"", "tokenizer file (empty: the one beside model.path)")
-      .add("model.dtype", ConfigType::String, "float32", "compute dtype: float32 | bfloat16")
-      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
-      .add_required("eval.text", ConfigType::String, "held-out plain text file (windows and retrieval filler)")
+  add_model_keys(s);
+  s.add_required("eval.text", ConfigType::String, "held-out plain text file (windows and retrieval filler)")
       .add("eval.policies", ConfigType::StringList,
            "[full, random, streaming_llm, h2o, snapkv, tova, knorm, keydiff]", "eviction policies to compare")
       .add("eval.budgets", ConfigType::IntList, "[64, 128, 256]", "KV budgets M (entries per layer and KV head)")
@@ -114,16 +110,11 @@ int cmd_eval(int argc, char** argv) {
   }
   const Config config = Config::load(schema, r.count("config") ? r["config"].as<std::string>() : "", overrides);
   SweepSettings settings = sweep_settings(config);
-  const int threads = static_cast<int>(config.get_int("model.threads"));
-  at::set_num_threads(threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-
-  const std::string model_path = config.get_string("model.path");
-  const std::string tok_path =
-      config.get_string("model.tokenizer").empty() ? find_tokenizer_beside(model_path) : config.get_string("model.tokenizer");
-  const auto tokenizer = load_tokenizer(tok_path);
-  const std::string dtype = config.get_string("model.dtype");
-  if (dtype != "float32" && dtype != "bfloat16") fail("config", "model.dtype", "'" + dtype + "' (float32, bfloat16)");
-  const auto model = Backbone::load(model_path, dtype == "float32" ? at::kFloat : at::kBFloat16);
+  const ConfiguredModel loaded = load_configured_model(config);
+  const std::string& model_path = loaded.model_path;
+  const std::string& tok_path = loaded.tokenizer_path;
+  const auto& tokenizer = loaded.tokenizer;
+  const auto& model = loaded.model;
   const std::string gates_path = config.get_string("trimkv.gates");
   if (!gates_path.empty()) {
     // Shapes are checked against this backbone here, before any evaluation work.

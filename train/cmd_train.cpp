@@ -3,25 +3,24 @@
 // described in train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically
 // (same config required; model.threads may differ); `--stop-after N` ends this invocation after N
 // updates with a checkpoint (time-sliced jobs).
-#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
-#include <thread>
 
 #include "checkpoints/errors.h"
+#include "checkpoints/run_checkpoint.h"
 #include "data/tokenizer.h"
 #include "eval/text_windows.h"
 #include "modules/backbone.h"
 #include "train/commands.h"
 #include "train/config.h"
-#include "checkpoints/run_checkpoint.h"
-#include "train/trainer.h"
 #include "train/indexmem_method.h"
 #include "train/memory_method.h"
+#include "train/model_setup.h"
+#include "train/trainer.h"
 #include "train/trimkv_method.h"
 
 namespace kvbound {
@@ -29,11 +28,8 @@ namespace {
 
 ConfigSchema train_schema() {
   ConfigSchema s;
-  s.add("model.path", ConfigType::String, yaml_quote(default_model_path()), "HF folder or .gguf file (frozen backbone)")
-      .add("model.tokenizer", ConfigType::String, "\"\"", "tokenizer file (empty: the one beside model.path)")
-      .add("model.dtype", ConfigType::String, "float32", "backbone compute dtype: float32 | bfloat16")
-      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
-      .add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
+  add_model_keys(s);
+  s.add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
       .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv | indexmem | memory")
       .add("train.steps", ConfigType::Int, "200", "optimizer updates")
@@ -216,16 +212,10 @@ int cmd_train(int argc, char** argv) {
     settings.stop_after = r["stop-after"].as<std::int64_t>();
     if (settings.stop_after < 1) fail("--stop-after", "N", "must be >= 1");
   }
-  const int threads = static_cast<int>(config.get_int("model.threads"));
-  at::set_num_threads(threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-
-  const std::string model_path = config.get_string("model.path");
-  const std::string tok_path =
-      config.get_string("model.tokenizer").empty() ? find_tokenizer_beside(model_path) : config.get_string("model.tokenizer");
-  const auto tokenizer = load_tokenizer(tok_path);
-  const std::string dtype = config.get_string("model.dtype");
-  if (dtype != "float32" && dtype != "bfloat16") fail("config", "model.dtype", "'" + dtype + "' (float32, bfloat16)");
-  const auto model = Backbone::load(model_path, dtype == "float32" ? at::kFloat : at::kBFloat16);
+  const ConfiguredModel loaded = load_configured_model(config);
+  const std::string& model_path = loaded.model_path;
+  const auto& tokenizer = loaded.tokenizer;
+  const auto& model = loaded.model;
   auto method = make_method(config, *model);
   const TrainingRows rows(config.get_string("data.train_text"), *tokenizer, config.get_int("train.seq_len"),
                           static_cast<std::uint64_t>(config.get_int("train.seed")));
