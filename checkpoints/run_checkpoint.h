@@ -1,7 +1,7 @@
 // Run checkpoints of the trainers. One checkpoint is one safetensors file,
 //   RUN_DIR/checkpoints/step_0000120.safetensors
 // holding the trainable tensors under their export names, the optimizer moments ("optimizer.*"), and in its
-// metadata the step, the data position (epoch, cursor), tokens seen, the optimizer step count and the
+// metadata the step (= the optimizer's step count), the data position (epoch, cursor), tokens seen and the
 // config hash. It is written atomically (temp file, fsync, rename); then RUN_DIR/checkpoints/LATEST (the
 // completion marker, also atomic) names it. A crash at any point leaves LATEST naming a complete file.
 // The RNG needs no state: data order is a function of (seed, epoch) and nothing else is random after init.

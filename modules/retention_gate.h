@@ -66,7 +66,6 @@ class GatedAttentionHook final : public AttentionHook {
   at::Tensor attend(const AttentionCall& call) override;
   // [B, Hkv, T] per layer, from the last forward.
   const std::vector<at::Tensor>& log_betas() const { return log_betas_; }
-  void clear() { log_betas_.clear(); }
 
  private:
   const RetentionGates& gates_;

@@ -45,14 +45,11 @@ ConfigSchema eval_schema() {
       .add("eval.retrieval.context_len", ConfigType::Int, "512", "passkey prompt length in tokens")
       .add("eval.retrieval.depths", ConfigType::FloatList, "[0.1, 0.5, 0.9]", "needle depths (fraction of filler)")
       .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth")
-      .add("policy.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept")
-      .add("policy.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept")
-      .add("policy.snapkv_window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
-      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
       .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)")
       .add("indexmem.weights", ConfigType::String, "\"\"", "indexmem: indexer file from `kvbound export` (required by policy indexmem)")
       .add("indexmem.recent", ConfigType::Int, "8", "indexmem: most recent tokens always kept")
       .add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)");
+  add_policy_keys(s);
   return s;
 }
 
@@ -81,15 +78,10 @@ SweepSettings sweep_settings(const Config& c) {
   s.retrieval.chunk_size = s.continuation.chunk_size;
   s.retrieval.buffer = s.continuation.buffer;
   s.retrieval.seed = s.seed;
+  s.policy_options = heuristic_policy_options(c);
   s.policy_options.seed = s.seed;
-  s.policy_options.sinks = c.get_int("policy.sinks");
-  s.policy_options.recent = c.get_int("policy.recent");
-  s.policy_options.snapkv_window = c.get_int("policy.snapkv_window");
-  s.policy_options.snapkv_pool = c.get_int("policy.snapkv_pool");
   s.policy_options.indexmem_recent = c.get_int("indexmem.recent");
   if (s.policy_options.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
-  if (s.policy_options.snapkv_pool < 1 || s.policy_options.snapkv_pool % 2 == 0)
-    fail("config", "policy.snapkv_pool", "must be odd and >= 1");
   return s;
 }
 

@@ -72,6 +72,7 @@ ConfigSchema train_schema() {
       .add("memory.budgets", ConfigType::IntList, "[16, 32]", "budgets M whose evictions are replayed (loss averaged)")
       .add("memory.chunk", ConfigType::Int, "16", "replay chunk size (the engine's prefill chunk)")
       .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
+  add_policy_keys(s);  // the heuristics a memory is trained under (memory.policy)
   return s;
 }
 
@@ -88,6 +89,8 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
     t.w_kl = c.get_float("trimkv.w_kl");
     t.w_ntp = c.get_float("trimkv.w_ntp");
     t.lambda_cap = c.get_float("trimkv.lambda_cap");
+    for (const char* key : {"trimkv.w_kl", "trimkv.w_ntp", "trimkv.lambda_cap"})
+      if (!(c.get_float(key) >= 0)) fail("config", key, "must be >= 0");
     t.loss_block_rows = c.get_int("train.loss_block_rows");
     if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
     return std::make_unique<TrimKVMethod>(model, t, static_cast<std::uint64_t>(c.get_int("train.seed")));
@@ -116,6 +119,10 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
     m.policy = c.get_string("memory.policy");
     if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
       fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
+    if (m.policy == "trimkv" || m.policy == "indexmem")
+      fail("config", "memory.policy", "a memory under the learned '" + m.policy + "' policy is not built yet (use a heuristic)");
+    m.policy_options = heuristic_policy_options(c);
+    m.policy_options.seed = static_cast<std::uint64_t>(c.get_int("train.seed"));
     m.budgets = c.get_int_list("memory.budgets");
     m.chunk = c.get_int("memory.chunk");
     return std::make_unique<MemoryMethod>(model, m, static_cast<std::uint64_t>(c.get_int("train.seed")));
@@ -141,6 +148,8 @@ TrainerSettings trainer_settings(const Config& c) {
   if (!(s.lr > 0)) fail("config", "train.lr", "must be > 0");
   if (s.warmup < 0) fail("config", "train.warmup", "must be >= 0");
   if (s.keep_checkpoints < 1) fail("config", "train.keep_checkpoints", "must be >= 1");
+  for (const char* key : {"train.log_every", "train.checkpoint_every", "train.eval_every"})
+    if (c.get_int(key) < 0) fail("config", key, "must be >= 0 (0: off)");
   return s;
 }
 
@@ -165,8 +174,8 @@ PeriodicEval periodic_eval(const Config& c, const Backbone& model, const Tokeniz
 // --resume continues a run only with the config it was started with: the run's config.yaml, read with
 // today's schema (keys added since take their defaults), must resolve to the same YAML as this invocation's.
 // model.threads is a runtime setting, not part of the run's identity (bit-identity then holds only up to
-// the reduction order of multithreaded kernels).
-void check_same_run(const ConfigSchema& schema, const std::string& config_path,
+// the reduction order of multithreaded kernels). Returns the run's config hash.
+std::string check_same_run(const ConfigSchema& schema, const std::string& config_path,
                     const std::vector<std::string>& overrides, const std::string& run_dir) {
   const std::string saved_path = run_dir + "/config.yaml";
   if (!std::filesystem::exists(saved_path)) fail(run_dir, "config.yaml", "missing: not a run folder of kvbound train");
@@ -174,7 +183,7 @@ void check_same_run(const ConfigSchema& schema, const std::string& config_path,
   std::vector<std::string> same_threads = overrides;
   same_threads.push_back("model.threads=" + std::to_string(saved.get_int("model.threads")));
   const std::string want = saved.to_yaml(), got = Config::load(schema, config_path, same_threads).to_yaml();
-  if (want == got) return;
+  if (want == got) return saved.hash();
   std::istringstream a(want), b(got);
   std::string la, lb;
   while (std::getline(a, la) && std::getline(b, lb) && la == lb) {}
@@ -207,7 +216,8 @@ int cmd_train(int argc, char** argv) {
   const Config config = Config::load(schema, config_path, overrides);
   TrainerSettings settings = trainer_settings(config);
   settings.resume = r.count("resume") > 0;
-  if (settings.resume) check_same_run(schema, config_path, overrides, settings.run_dir);
+  // A resumed run keeps its identity (the hash its checkpoints and exports carry), whatever model.threads is now.
+  if (settings.resume) settings.config_hash = check_same_run(schema, config_path, overrides, settings.run_dir);
   if (r.count("stop-after")) {
     settings.stop_after = r["stop-after"].as<std::int64_t>();
     if (settings.stop_after < 1) fail("--stop-after", "N", "must be >= 1");

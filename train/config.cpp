@@ -17,6 +17,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "checkpoints/atomic_file.h"
 #include "checkpoints/errors.h"
 #include "data/fnv1a.h"
 
@@ -317,15 +318,6 @@ YAML::Node parse_file(const std::string& path) {
   return documents.empty() ? YAML::Node() : documents[0];
 }
 
-void write_all(int fd, const std::string& text, const std::string& path) {
-  for (std::size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(path, "", std::string("cannot write: ") + std::strerror(errno));
-    done += static_cast<std::size_t>(n);
-  }
-}
-
 // Appends the keys under `prefix` ("" or "eval.") as nested YAML, in the order of child_names, so a section
 // is written once with all its keys.
 void write_section(const std::vector<ConfigKey>& keys, const std::map<std::string, ConfigValue>& values,
@@ -550,36 +542,7 @@ std::string Config::hash() const {
   return h.hex();
 }
 
-void Config::write(const std::string& path) const {
-  const std::string text = to_yaml();
-  const std::filesystem::path target(path);
-  const std::string temp = path + ".tmp" + std::to_string(::getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path, "", "cannot create " + temp + ": " + std::strerror(errno));
-  try {
-    write_all(fd, text, path);
-    if (::fsync(fd) != 0) fail(path, "", std::string("cannot fsync: ") + std::strerror(errno));
-    if (::close(fd) != 0) fail(path, "", std::string("cannot close: ") + std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(temp.c_str());
-    throw;
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(temp.c_str());
-    fail(path, "", std::string("cannot rename the temporary file into place: ") + std::strerror(err));
-  }
-  // The rename is durable only once the folder's entry is on disk.
-  const std::string folder = target.has_parent_path() ? target.parent_path().string() : ".";
-  const int dir_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) fail(folder, "", std::string("cannot open the folder to fsync it: ") + std::strerror(errno));
-  const int synced = ::fsync(dir_fd);
-  const int err = errno;
-  ::close(dir_fd);
-  // EINVAL: the file system cannot sync folders at all; the rename is then as durable as it gets.
-  if (synced != 0 && err != EINVAL) fail(folder, "", std::string("cannot fsync: ") + std::strerror(err));
-}
+void Config::write(const std::string& path) const { write_file_atomic(path, to_yaml()); }
 
 std::vector<std::string> extract_overrides(int& argc, char** argv) {
   std::vector<std::string> overrides;

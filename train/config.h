@@ -87,7 +87,7 @@ class Config {
   std::string to_yaml() const;
   // FNV-1a 64 of to_yaml(), 16 lowercase hex digits: identifies the resolved config in exports.
   std::string hash() const;
-  // Writes to_yaml() to `path` atomically (temp file in the same folder, fsync, rename, fsync the folder).
+  // Writes to_yaml() to `path` with write_file_atomic (missing folders created; temp file, fsync, rename).
   void write(const std::string& path) const;
 
  private:

@@ -31,8 +31,6 @@ class IndexMemIndexerMethod final : public TrainingMethod {
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "kl_per_layer"; }
 
-  const Indexer& indexer() const { return *indexer_; }
-
  private:
   const Backbone& model_;
   IndexMemSettings settings_;

@@ -33,4 +33,24 @@ ConfiguredModel load_configured_model(const Config& config) {
   return m;
 }
 
+void add_policy_keys(ConfigSchema& s) {
+  s.add("policy.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept")
+      .add("policy.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept")
+      .add("policy.snapkv_window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
+      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)");
+}
+
+PolicyOptions heuristic_policy_options(const Config& c) {
+  PolicyOptions o;
+  o.sinks = c.get_int("policy.sinks");
+  o.recent = c.get_int("policy.recent");
+  o.snapkv_window = c.get_int("policy.snapkv_window");
+  o.snapkv_pool = c.get_int("policy.snapkv_pool");
+  if (o.sinks < 0) fail("config", "policy.sinks", "must be >= 0");
+  if (o.recent < 0) fail("config", "policy.recent", "must be >= 0");
+  if (o.snapkv_window < 1) fail("config", "policy.snapkv_window", "must be >= 1");
+  if (o.snapkv_pool < 1 || o.snapkv_pool % 2 == 0) fail("config", "policy.snapkv_pool", "must be odd and >= 1");
+  return o;
+}
+
 }  // namespace kvbound

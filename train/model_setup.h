@@ -1,10 +1,11 @@
-// The model.* config keys that `kvbound train` and `kvbound eval` share, and loading what they name.
+// The config keys that `kvbound train` and `kvbound eval` share (model.*, policy.*), and what they make.
 #pragma once
 #include <memory>
 #include <string>
 
 #include "data/tokenizer.h"
 #include "modules/backbone.h"
+#include "modules/eviction_policy.h"
 #include "train/config.h"
 
 namespace kvbound {
@@ -21,5 +22,10 @@ struct ConfiguredModel {
 // Sets ATen's thread count (model.threads, 0 = every core), loads the tokenizer (model.tokenizer, else the
 // one beside the weights) and the backbone in model.dtype. Bad values are kvbound::Error naming the key.
 ConfiguredModel load_configured_model(const Config& config);
+
+// policy.sinks, policy.recent, policy.snapkv_window, policy.snapkv_pool: the heuristics' settings.
+void add_policy_keys(ConfigSchema& schema);
+// PolicyOptions from those keys (kvbound::Error naming the key for a bad value); other fields default.
+PolicyOptions heuristic_policy_options(const Config& config);
 
 }  // namespace kvbound

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "checkpoints/atomic_file.h"
 #include "checkpoints/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "eval/progress.h"
@@ -36,18 +37,20 @@ EvalScore evaluate(const Backbone& model, const TrainingMethod& method, const Pe
   return {totals.kl / n, totals.agree / n, totals.nll / n};
 }
 
-// Keeps the lines of metrics.jsonl up to `step` (a resumed run rewrites what came after its checkpoint).
+// Keeps the lines of metrics.jsonl up to `step` (a resumed run rewrites what came after its checkpoint),
+// dropping a line a crash left half-written; rewritten atomically.
 void truncate_metrics(const std::string& path, std::int64_t step) {
   std::ifstream in(path);
   if (!in) return;
   std::string kept, line;
   while (std::getline(in, line)) {
     const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("step") && j["step"].get<std::int64_t>() > step) break;
+    if (!j.is_object() || !j.contains("step")) continue;
+    if (j["step"].get<std::int64_t>() > step) break;
     kept += line + "\n";
   }
   in.close();
-  std::ofstream(path, std::ios::trunc) << kept;
+  write_file_atomic(path, kept);
 }
 
 void check_finite(const std::string& run_dir, std::int64_t step, const std::string& what, double value,
@@ -209,7 +212,7 @@ TrainSummary train(const Backbone& model, TrainingMethod& method, const Training
     if (s.checkpoint_every > 0 && step % s.checkpoint_every == 0 && step < end) checkpoint();
   }
   bar.finish();
-  if (step == s.steps) run_eval();
+  if (step == s.steps && step > summary.first_step) run_eval();  // not again when resuming a finished run
   checkpoint();
   summary.last_step = step;
   summary.seconds = train_seconds;

@@ -28,8 +28,6 @@ class TrimKVMethod final : public TrainingMethod {
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "retention"; }
 
-  const RetentionGates& gates() const { return *gates_; }
-
  private:
   const Backbone& model_;
   TrimKVSettings settings_;
