@@ -24,6 +24,7 @@
 #include "modules/policies/registry.h"
 #include "ops/pooled_index_score.h"
 #include "test_env.h"
+#include "tiny_cli_runs.h"
 
 namespace kvbound {
 namespace {
@@ -175,19 +176,15 @@ TEST(IndexMemPolicy, NeedsAnIndexer) {
 
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate.
 TEST(IndexMemCli, TrainsExportsAndEvaluates) {
-  const std::string model = test::shared_data("stories260K"), train = test::shared_data("text/tinystories_train_first2MiB.txt"),
-                    valid = test::shared_data("text/tinystories_valid_first794KB_hf.txt");
-  if (!fs::exists(model + "/model.safetensors") || !fs::exists(train)) GTEST_SKIP() << "missing " << model;
+  const auto cli = test::stories260k_cli();
+  if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
   test::TempDir dir("indexmem_cli");
-  std::ofstream(dir / "train.yaml") << "model:\n  path: " << model << "\n  threads: 1\ndata:\n  train_text: " << train
-                                    << "\ntrain:\n  method: indexmem\n  steps: 3\n  seq_len: 32\n  batch_size: 2\n"
-                                       "  warmup: 1\n  eval_every: 0\nindexmem:\n  d_index: 8\n  window: 8\n"
-                                    << "run:\n  out_dir: " << (dir / "run") << "\n";
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(*cli, "  method: indexmem\n  steps: 3\n",
+                                                             "indexmem:\n  d_index: 8\n  window: 8\nrun:\n  out_dir: " +
+                                                                 (dir / "run") + "\n");
   std::string out, err;
   ASSERT_EQ(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0) << err;
-  std::ifstream metrics(dir / "run/metrics.jsonl");
-  std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+  const auto lines = test::read_jsonl(dir / "run/metrics.jsonl");
   ASSERT_EQ(lines.size(), 3u);
   for (const auto& j : lines) {
     EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << j.dump();
@@ -204,16 +201,9 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
   EXPECT_EQ(ix.metadata.at("key_heads"), "kv");
   EXPECT_EQ(ix.metadata.at("window"), "8");
 
-  ASSERT_EQ(test::run_kvbound("eval --set model.path=" + model + " --set model.threads=1 --set eval.text=" + valid +
-                                  " --set eval.policies=[indexmem,h2o] --set eval.budgets=[16] --set eval.tasks=[continuation]"
-                                  " --set eval.context_len=64 --set eval.prefill_len=32 --set eval.score_from=32"
-                                  " --set eval.num_windows=1 --set eval.out_dir=" + (dir / "eval") +
-                                  " --set indexmem.weights=" + (dir / "ix.safetensors"),
-                              &out, &err), 0) << err;
-  std::ifstream in(dir / "eval/results.json");
-  const auto results = nlohmann::json::parse(in);
   std::set<std::string> policies;
-  for (const auto& row : results["rows"]) policies.insert(row["policy"].get<std::string>());
+  ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[indexmem,h2o] --set indexmem.weights=" + (dir / "ix.safetensors"),
+                            &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"indexmem", "h2o"}));
 }
 

@@ -20,6 +20,7 @@
 #include "modules/retention_gate.h"
 #include "ops/retention_sum.h"
 #include "test_env.h"
+#include "tiny_cli_runs.h"
 #include "train/optimizer.h"
 #include "train/train_data.h"
 #include "train/trimkv_method.h"
@@ -174,20 +175,18 @@ TEST(TrainingRows, RowsStartWithBosStayInOneDocumentAndShiftTargets) {
 class TrainCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    model_ = test::shared_data("stories260K");
-    train_ = test::shared_data("text/tinystories_train_first2MiB.txt");
-    valid_ = test::shared_data("text/tinystories_valid_first794KB_hf.txt");
-    if (!fs::exists(model_ + "/model.safetensors") || !fs::exists(train_)) GTEST_SKIP() << "missing " << model_;
-    std::ofstream(dir_ / "train.yaml") << "model:\n  path: " << model_ << "\n  threads: 1\ndata:\n  train_text: " << train_
-                                       << "\ntrain:\n  steps: 4\n  seq_len: 32\n  batch_size: 2\n  warmup: 1\n"
-                                          "  checkpoint_every: 2\n  eval_every: 0\ntrimkv:\n  budget: 8\n  gate_hidden: 16\n";
+    const auto cli = test::stories260k_cli();
+    if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
+    cli_ = *cli;
+    std::ofstream(dir_ / "train.yaml") << test::tiny_train_yaml(cli_, "  steps: 4\n  checkpoint_every: 2\n",
+                                                                "trimkv:\n  budget: 8\n  gate_hidden: 16\n");
   }
   std::string train(const std::string& args, int expect = 0) {
     std::string out, err;
     EXPECT_EQ(test::run_kvbound("train " + (dir_ / "train.yaml") + " " + args, &out, &err), expect) << err;
     return err;
   }
-  std::string model_, train_, valid_;
+  test::TinyCli cli_;
   test::TempDir dir_{"train"};
 };
 
@@ -218,7 +217,7 @@ TEST_F(TrainCli, ResumeIsBitIdentical) {
 }
 
 TEST_F(TrainCli, ExportsOfficialNamesAndEvaluatesAgainstHeuristics) {
-  train("--set run.out_dir=" + (dir_ / "run") + " --set data.eval_text=" + valid_ +
+  train("--set run.out_dir=" + (dir_ / "run") + " --set data.eval_text=" + cli_.valid +
         " --set train.eval_budget=16 --set train.eval_windows=1 --set train.eval_context_len=64 --set train.eval_prefill_len=32");
   std::string out, err;
   ASSERT_EQ(test::run_kvbound("export " + (dir_ / "run") + " --out " + (dir_ / "gates.safetensors"), &out, &err), 0) << err;
@@ -233,17 +232,9 @@ TEST_F(TrainCli, ExportsOfficialNamesAndEvaluatesAgainstHeuristics) {
   const auto ck = read_safetensors(dir_ / "run/checkpoints/step_0000004.safetensors");
   for (const auto& [name, t] : gates.tensors) EXPECT_TRUE(at::equal(t, ck.tensors.at(name))) << name;
 
-  out.clear();
-  ASSERT_EQ(test::run_kvbound("eval --set model.path=" + model_ + " --set model.threads=1 --set eval.text=" + valid_ +
-                                  " --set eval.policies=[trimkv,h2o] --set eval.budgets=[16] --set eval.tasks=[continuation]"
-                                  " --set eval.context_len=64 --set eval.prefill_len=32 --set eval.score_from=32"
-                                  " --set eval.num_windows=1 --set eval.out_dir=" + (dir_ / "eval") +
-                                  " --set trimkv.gates=" + (dir_ / "gates.safetensors"),
-                              &out, &err), 0) << err;
-  std::ifstream in(dir_ / "eval/results.json");
-  const auto results = nlohmann::json::parse(in);
   std::set<std::string> policies;
-  for (const auto& row : results["rows"]) policies.insert(row["policy"].get<std::string>());
+  ASSERT_EQ(test::tiny_eval(cli_, dir_ / "eval", "--set eval.policies=[trimkv,h2o] --set trimkv.gates=" + (dir_ / "gates.safetensors"),
+                            &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"trimkv", "h2o"}));
 }
 
@@ -256,7 +247,7 @@ TEST_F(TrainCli, RejectsBadKeysExistingRunsAndMissingGates) {
   err = train("--set run.out_dir=" + (dir_ / "run") + " --set train.steps=2 --resume", 1);  // another config
   EXPECT_NE(err.find("differs from the run's (run: 'steps: 1', now: 'steps: 2')"), std::string::npos) << err;
   std::string out;
-  EXPECT_EQ(test::run_kvbound("eval --set eval.text=" + valid_ + " --set model.path=" + model_ +
+  EXPECT_EQ(test::run_kvbound("eval --set eval.text=" + cli_.valid + " --set model.path=" + cli_.model +
                                   " --set eval.policies=[trimkv] --set eval.out_dir=" + (dir_ / "e"), &out, &err), 1);
   EXPECT_NE(err.find("trimkv.gates"), std::string::npos) << err;
 }
@@ -265,9 +256,9 @@ TEST_F(TrainCli, NanStopsTheRunNamingTheStepAndTerm) {
   // A copy of the model with one NaN weight: the teacher's logits, hence the KL, become NaN at step 1.
   const fs::path bad = dir_.path() / "nan_model";
   fs::create_directories(bad);
-  fs::copy_file(model_ + "/config.json", bad / "config.json");
-  fs::copy_file(model_ + "/tok512.bin", bad / "tok512.bin");
-  SafetensorsFile m = read_safetensors(model_ + "/model.safetensors");
+  fs::copy_file(cli_.model + "/config.json", bad / "config.json");
+  fs::copy_file(cli_.model + "/tok512.bin", bad / "tok512.bin");
+  SafetensorsFile m = read_safetensors(cli_.model + "/model.safetensors");
   m.tensors.at("model.layers.2.mlp.down_proj.weight")[0][0] = std::nan("");
   write_safetensors((bad / "model.safetensors").string(), m.tensors, m.metadata);
   const std::string err = train("--set model.path=" + bad.string() + " --set run.out_dir=" + (dir_ / "run"), 1);

@@ -1,0 +1,59 @@
+// Tiny runs of the real CLI on stories260K, shared by the learned-method tests (trimkv, indexmem, memory):
+// a train config of a few 2 × 32-token updates on one thread, metrics.jsonl reading, and a one-window eval.
+#pragma once
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "test_env.h"
+
+namespace kvbound::test {
+
+struct TinyCli {
+  std::string model, train, valid;  // stories260K and its train / held-out text in ../shared/data
+};
+
+// The shared data, or nothing when it is not beside this checkout (callers skip visibly).
+inline std::optional<TinyCli> stories260k_cli() {
+  TinyCli c{shared_data("stories260K"), shared_data("text/tinystories_train_first2MiB.txt"),
+            shared_data("text/tinystories_valid_first794KB_hf.txt")};
+  if (!std::filesystem::exists(c.model + "/model.safetensors") || !std::filesystem::exists(c.train)) return std::nullopt;
+  return c;
+}
+
+// A train config: stories260K, one thread, rows of 32 tokens, 2 per update, warm-up 1, no periodic eval;
+// `train_keys` are more lines under `train:` (e.g. "  steps: 3\n"), `sections` more top-level YAML.
+inline std::string tiny_train_yaml(const TinyCli& c, const std::string& train_keys, const std::string& sections) {
+  return "model:\n  path: " + c.model + "\n  threads: 1\ndata:\n  train_text: " + c.train +
+         "\ntrain:\n  seq_len: 32\n  batch_size: 2\n  warmup: 1\n  eval_every: 0\n" + train_keys + sections;
+}
+
+inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+// `kvbound eval` of one 64-token window at M = 16 (continuation) with more `--set` arguments; returns the
+// exit code and the policies found in results.json.
+inline int tiny_eval(const TinyCli& c, const std::string& out_dir, const std::string& sets, std::set<std::string>* policies,
+                     std::string* err) {
+  std::string out;
+  const int rc = run_kvbound("eval --set model.path=" + c.model + " --set model.threads=1 --set eval.text=" + c.valid +
+                                 " --set eval.budgets=[16] --set eval.tasks=[continuation] --set eval.context_len=64"
+                                 " --set eval.prefill_len=32 --set eval.score_from=32 --set eval.num_windows=1"
+                                 " --set eval.out_dir=" + out_dir + " " + sets,
+                             &out, err);
+  if (rc != 0) return rc;
+  std::ifstream in(out_dir + "/results.json");
+  const nlohmann::json results = nlohmann::json::parse(in);  // named: a range-for over a temporary's member dangles
+  for (const auto& row : results["rows"]) policies->insert(row["policy"].get<std::string>());
+  return rc;
+}
+
+}  // namespace kvbound::test
