@@ -14,7 +14,9 @@
 namespace kvbound {
 
 int cmd_export(int argc, char** argv) {
-  cxxopts::Options o("kvbound export", "Write a run's trained weights (gates) as one safetensors file.");
+  cxxopts::Options o("kvbound export",
+                     "Write a run's trained weights (TRIM-KV gates, IndexMem indexer or latent memory) as one "
+                     "safetensors file.");
   o.add_options()("run_dir", "run folder of `kvbound train`", cxxopts::value<std::string>())(
       "o,out", "output .safetensors file", cxxopts::value<std::string>())(
       "best", "export the weights of the best periodic eval (best.safetensors) instead of the latest checkpoint")(
