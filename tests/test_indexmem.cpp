@@ -24,6 +24,7 @@
 #include "modules/policies/registry.h"
 #include "ops/pooled_index_score.h"
 #include "test_env.h"
+#include "tiny_model.h"
 #include "tiny_cli_runs.h"
 
 namespace kvbound {
@@ -108,21 +109,7 @@ TEST(Indexer, ExportRoundTripGivesIdenticalScores) {
   }
 }
 
-struct Tiny {
-  std::unique_ptr<Backbone> model;
-  at::Tensor tokens;  // [1, 60]
-};
-
-const Tiny& tiny() {
-  static const Tiny f = [] {
-    Tiny x;
-    const std::string dir = test::test_data("tiny/llama_tied");
-    x.model = Backbone::load(dir, at::kFloat);
-    x.tokens = test::read_golden(dir, "logits").input_ids.narrow(0, 0, 1).narrow(1, 0, 60);
-    return x;
-  }();
-  return f;
-}
+using test::tiny_model;
 
 // After every layer's eviction: exactly `budget` entries once the layer has seen more, the newest `recent`
 // positions in every head.
@@ -140,7 +127,7 @@ struct KeepCheck : AttentionHook {
 };
 
 at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, std::int64_t recent) {
-  const Tiny& f = tiny();
+  const test::TinyModel& f = tiny_model();
   PolicyOptions o;
   o.indexer = std::make_shared<const Indexer>(Indexer::init(f.model->config(), {8, "kv", true, false, 0.5}, 3));
   o.indexmem_recent = recent;

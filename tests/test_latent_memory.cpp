@@ -28,6 +28,7 @@
 #include "modules/policies/registry.h"
 #include "modules/retention_gate.h"
 #include "test_env.h"
+#include "tiny_model.h"
 #include "tiny_cli_runs.h"
 #include "train/memory_method.h"
 
@@ -35,25 +36,11 @@ using namespace kvbound;
 
 namespace {
 
-struct Fixture {
-  std::unique_ptr<Backbone> model;
-  at::Tensor tokens;  // [1, 60]
-};
-
-const Fixture& tiny() {
-  static const Fixture f = [] {
-    Fixture x;
-    const std::string dir = test::test_data("tiny/llama_tied");
-    x.model = Backbone::load(dir, at::kFloat);
-    x.tokens = test::read_golden(dir, "logits").input_ids.narrow(0, 0, 1).narrow(1, 0, 60);
-    return x;
-  }();
-  return f;
-}
+using test::tiny_model;
 
 // A memory whose gate bias is `cg` everywhere (open: +4, closed: −1e4), everything else from init.
 std::shared_ptr<const LatentMemory> memory_with_gate_bias(double cg) {
-  const ModelConfig& c = tiny().model->config();
+  const ModelConfig& c = tiny_model().model->config();
   std::map<std::string, at::Tensor> t = LatentMemory::init(c, {}, 5).named_tensors();
   for (auto& [name, tensor] : t)
     if (name.size() > 2 && name.substr(name.size() - 2) == "cg") tensor = at::full_like(tensor, cg);
@@ -63,7 +50,7 @@ std::shared_ptr<const LatentMemory> memory_with_gate_bias(double cg) {
 // Chunked prefill of `prefill` tokens, then token-by-token decode, through the engine's hook; every logit.
 at::Tensor run(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
                std::shared_ptr<const LatentMemory> memory) {
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   PolicyOptions options;
   options.seed = 3;
   options.snapkv_window = 6;
@@ -132,7 +119,7 @@ TEST(LatentMemory, EvictedIndexIsTheSortedComplementOfKeep) {
 }
 
 TEST_F(MemPolicy, NamedTensorsRoundTripThroughSafetensors) {
-  const ModelConfig& c = tiny().model->config();
+  const ModelConfig& c = tiny_model().model->config();
   const LatentMemory memory = LatentMemory::init(c, {}, 2);
   const test::TempDir dir("latent_memory");
   const std::map<std::string, at::Tensor> written = memory.named_tensors();
@@ -182,7 +169,7 @@ TEST_F(MemPolicy, BudgetAtLeastTheLengthEqualsFullForEveryPolicy) {
 
 TEST_F(MemPolicy, TheHookWritesEveryEvictedTokenExactlyOnce) {
   // λ = 1 (θ = 40) and W_mk = 0 make k̂ = 1 for every token, so z counts the tokens written.
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   const ModelConfig& c = f.model->config();
   std::map<std::string, at::Tensor> t = LatentMemory::init(c, {}, 5).named_tensors();
   for (auto& [name, tensor] : t) {
@@ -201,7 +188,7 @@ TEST_F(MemPolicy, TheHookWritesEveryEvictedTokenExactlyOnce) {
 }
 
 TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   MemorySettings s;
   s.memory.dim = 4;
   s.budgets = {8, 12};
@@ -224,7 +211,7 @@ TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
 // Layer 0 sees the same input with or without eviction upstream, so the trainer's replay of layer 0 must
 // reproduce the engine's layer-0 output exactly: same read/evict/write order, same attention.
 TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngine) {
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   MemorySettings s;
   s.memory.gate_bias_init = 2;  // an open gate, so the memory's share of the output is large
   s.budgets = {8};

@@ -20,26 +20,13 @@
 #include "modules/retention_gate.h"
 #include "modules/policies/registry.h"
 #include "test_env.h"
+#include "tiny_model.h"
 
 using namespace kvbound;
 
 namespace {
 
-struct Fixture {
-  std::unique_ptr<Backbone> model;
-  at::Tensor tokens;  // [1, T]
-};
-
-const Fixture& tiny() {
-  static const Fixture f = [] {
-    Fixture x;
-    const std::string dir = test::test_data("tiny/llama_tied");
-    x.model = Backbone::load(dir, at::kFloat);
-    x.tokens = test::read_golden(dir, "logits").input_ids.narrow(0, 0, 1).narrow(1, 0, 60);
-    return x;
-  }();
-  return f;
-}
+using test::tiny_model;
 
 // Checks the invariants after every layer's eviction (the peak, M + C, is checked via peak_entries).
 struct InvariantCheck : AttentionHook {
@@ -57,7 +44,7 @@ struct InvariantCheck : AttentionHook {
 // Chunked prefill of the first `prefill` tokens, then token-by-token decode; returns every logit.
 at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
                       std::uint64_t seed, std::int64_t* peak = nullptr) {
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   PolicyOptions options;
   options.seed = seed;
   options.snapkv_window = 6;
@@ -134,7 +121,7 @@ at::Tensor full_attention(const Capture& c, std::int64_t layer, std::int64_t Hkv
 
 // Runs `name` with no eviction in chunks of 7 and returns its scores for every layer at the end.
 std::vector<at::Tensor> policy_scores(const std::string& name, Capture* capture, PolicyOptions options = {}) {
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   auto policy = make_policy(name, options);
   struct ScoreAtEnd : AttentionHook {
     BudgetedCache* budgeted;
@@ -170,8 +157,8 @@ TEST(PolicyScores, H2OIsMeanReceivedAttention) {
   PolicyOptions o;
   o.recent = 0;
   const auto scores = policy_scores("h2o", &cap, o);
-  const std::int64_t T = tiny().tokens.size(1), Hkv = tiny().model->config().num_kv_heads;
-  for (std::int64_t l = 0; l < tiny().model->config().num_layers; ++l) {
+  const std::int64_t T = tiny_model().tokens.size(1), Hkv = tiny_model().model->config().num_kv_heads;
+  for (std::int64_t l = 0; l < tiny_model().model->config().num_layers; ++l) {
     const at::Tensor A = full_attention(cap, l, Hkv);  // [Hkv, G, T, T]
     const at::Tensor seen = (T - at::arange(T, at::kDouble)) * A.size(1);
     const at::Tensor expected = A.sum({1, 2}).to(at::kDouble) / seen;
@@ -183,8 +170,8 @@ TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
   if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
   Capture cap;
   const auto scores = policy_scores("tova", &cap);
-  const std::int64_t T = tiny().tokens.size(1), Hkv = tiny().model->config().num_kv_heads;
-  for (std::int64_t l = 0; l < tiny().model->config().num_layers; ++l) {
+  const std::int64_t T = tiny_model().tokens.size(1), Hkv = tiny_model().model->config().num_kv_heads;
+  for (std::int64_t l = 0; l < tiny_model().model->config().num_layers; ++l) {
     const at::Tensor expected = full_attention(cap, l, Hkv).select(2, T - 1).mean(1);
     EXPECT_LE((scores[static_cast<std::size_t>(l)] - expected).abs().max().item<double>(), 1e-6) << "layer " << l;
   }
@@ -196,8 +183,8 @@ TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
   PolicyOptions o;
   o.snapkv_window = 9;  // spans two chunks of 7
   const auto scores = policy_scores("snapkv", &cap, o);
-  const std::int64_t T = tiny().tokens.size(1), Hkv = tiny().model->config().num_kv_heads;
-  for (std::int64_t l = 0; l < tiny().model->config().num_layers; ++l) {
+  const std::int64_t T = tiny_model().tokens.size(1), Hkv = tiny_model().model->config().num_kv_heads;
+  for (std::int64_t l = 0; l < tiny_model().model->config().num_layers; ++l) {
     const at::Tensor votes = full_attention(cap, l, Hkv).narrow(2, T - 9, 9).mean({1, 2});  // [Hkv, T]
     const at::Tensor pooled = at::avg_pool1d(votes.unsqueeze(1), {5}, {1}, {2}).squeeze(1);
     const at::Tensor s = scores[static_cast<std::size_t>(l)];
@@ -212,7 +199,7 @@ namespace {
 
 TEST(BudgetedCacheEngine, FullThroughTheEngineEqualsOnePlainForwardForAnyChunkSize) {
   if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
-  const Fixture& f = tiny();
+  const test::TinyModel& f = tiny_model();
   KVCache plain = f.model->make_cache();
   const at::Tensor expected = f.model->forward(f.tokens, plain);
   for (std::int64_t chunk : {1, 3, 16, 60}) {
