@@ -70,6 +70,18 @@ std::string latest_checkpoint_path(const std::string& run_dir) {
   return (marker.parent_path() / name).string();
 }
 
+std::string run_weights_path(const std::string& run_dir, bool best, const std::string& key) {
+  if (!fs::is_directory(run_dir)) fail(run_dir, key, "not a run folder");
+  if (best) {
+    const std::string path = (fs::path(run_dir) / "best.safetensors").string();
+    if (!fs::exists(path)) fail(path, key, "no periodic eval has run in this folder (data.eval_text empty?)");
+    return path;
+  }
+  const std::string path = latest_checkpoint_path(run_dir);
+  if (path.empty()) fail(run_dir, key, "no checkpoint in this run folder (checkpoints/LATEST missing)");
+  return path;
+}
+
 RunCheckpoint load_latest_checkpoint(const std::string& run_dir) {
   const std::string path = latest_checkpoint_path(run_dir);
   if (path.empty()) fail(run_dir, "checkpoints/LATEST", "no checkpoint in this run folder");

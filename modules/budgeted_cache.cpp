@@ -31,6 +31,16 @@ BudgetedCache::BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::i
   if (buffer < 0) fail("eval", "buffer", "must be >= 0, got " + std::to_string(buffer));
 }
 
+void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
+  if (!policy_.pre_evicts() || !policy_.bounded() || cache.size(call.layer) == 0) return;
+  PolicyView view;
+  view.layer = call.layer;
+  view.call = &call;
+  view.cache = &cache;  // the older entries only: the chunk is appended after this hook
+  policy_.observe_before(view);
+  if (cache.size(call.layer) > budget_ + buffer_) cut(view, cache);
+}
+
 void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   const std::int64_t layer = call.layer;
   PolicyView view;
@@ -48,7 +58,12 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   auto& peak = layer_peak_bytes_[static_cast<std::size_t>(layer)];
   peak = std::max(peak, bytes);
 
-  if (!policy_.bounded() || entries <= budget_ + buffer_) return;
+  if (!policy_.bounded() || policy_.pre_evicts() || entries <= budget_ + buffer_) return;
+  cut(view, cache);
+}
+
+void BudgetedCache::cut(const PolicyView& view, KVCache& cache) {
+  const std::int64_t layer = view.layer;
   const at::Tensor scores = policy_.score(view);
   TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
   // Top-`budget` per (batch, KV head), kept in position order.

@@ -1,7 +1,8 @@
 // The budgeted KV cache: an AttentionHook that, after every chunk's attention in every layer, lets the
 // policy observe the chunk and, when a layer holds more than budget + buffer entries per KV head,
-// cuts it back to the policy's top-`budget` entries. With chunked prefill (chunk C) and decode the
-// cache never holds more than budget + buffer + C entries per layer and KV head.
+// cuts it back to the policy's top-`budget` entries. A pre-evicting policy (EvictionPolicy::pre_evicts) is
+// cut before the chunk's attention instead, over the older entries only. Either way, with chunked prefill
+// (chunk C) and decode the cache never holds more than budget + buffer + C entries per layer and KV head.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -19,9 +20,10 @@ class BudgetedCache final : public AttentionHook {
   // budget >= 1 entries per layer and KV head; buffer >= 0 extra entries tolerated before a cut.
   BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0);
 
+  void before_attention(AttentionCall& call, KVCache& cache) override;
   void after_attention(AttentionCall& call, KVCache& cache) override;
 
-  // Called on every cut, before KVCache::retain, with the kept entries `keep` [B, Hkv, M] (sorted) while
+  // Called on every cut (before or after attention), before KVCache::retain, with the kept entries `keep` [B, Hkv, M] (sorted) while
   // `cache` still holds every entry: the latent memory reads the evicted ones from it.
   using EvictionCallback = std::function<void(std::int64_t layer, const at::Tensor& keep, const KVCache& cache)>;
   void on_evict(EvictionCallback callback) { on_evict_ = std::move(callback); }
@@ -33,6 +35,8 @@ class BudgetedCache final : public AttentionHook {
   std::int64_t evictions() const { return evictions_; }
 
  private:
+  void cut(const PolicyView& view, KVCache& cache);
+
   EvictionPolicy& policy_;
   std::int64_t budget_, buffer_;
   std::int64_t peak_entries_ = 0, evictions_ = 0;

@@ -17,7 +17,8 @@ class RetentionGates;
 class Indexer;
 class LatentMemory;
 
-// What a policy may look at after a chunk's attention in one layer.
+// What a policy may look at after a chunk's attention in one layer (or, for a pre-evicting policy's
+// observe_before/score, before it: the cache then holds only the entries older than the chunk).
 struct PolicyView {
   std::int64_t layer = 0;
   const AttentionCall* call = nullptr;  // the chunk: q/k/v [B, H, T, D] (post-RoPE), positions [T]
@@ -37,6 +38,12 @@ class EvictionPolicy {
   // Called after every chunk's attention, before any eviction; keeps the policy's running state
   // aligned with the cache (new entries are always appended at the end).
   virtual void observe(const PolicyView& view) { (void)view; }
+  // A pre-evicting policy (DESIGN.md, indexmem) is cut *before* a chunk's attention: the budgeted cache
+  // calls observe_before() while the cache holds only the older entries (the chunk's queries update their
+  // statistics), then score() over those entries and the cut, and never cuts after attention; observe()
+  // then only adds the chunk's own entries. The chunk's attention so runs over the kept set plus the chunk.
+  virtual bool pre_evicts() const { return false; }
+  virtual void observe_before(const PolicyView& view) { (void)view; }
   // Keep-scores [B, Hkv, N] for the cache entries of view.layer (higher = keep).
   virtual at::Tensor score(const PolicyView& view) = 0;
   // The cache kept entries `index` [B, Hkv, M] (sorted) of `layer`: gather per-entry state.
@@ -62,7 +69,9 @@ struct PolicyOptions {
   std::shared_ptr<const RetentionGates> trimkv_gates;
   // indexmem: the trained indexer (an export loaded by the command, or a trainer's live indexer).
   std::shared_ptr<const Indexer> indexer;
-  std::int64_t indexmem_recent = 8;  // indexmem: most recent tokens always kept
+  std::int64_t indexmem_recent = 8;      // indexmem: most recent tokens always kept
+  std::string indexmem_stat = "mean";    // indexmem: running statistic of a key's scores: mean | max
+  bool indexmem_pre_evict = true;        // indexmem: evict before the chunk's attention (false: after, like h2o)
   // "<policy>+mem": the trained latent memory (an export loaded by the command, or a trainer's live memory).
   std::shared_ptr<const LatentMemory> memory;
 };

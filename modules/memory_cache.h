@@ -14,11 +14,13 @@
 
 namespace kvbound {
 
-// Per layer and chunk: (1) read g(q)·m(q) for the chunk's queries from the memory as it stands, (2) let the
+// Per layer and chunk: (0) a pre-evicting policy cuts the older entries before attention, writing them into
+// the memory; (1) read g(q)·m(q) for the chunk's queries from the memory as it stands, (2) let the
 // budgeted cache observe and evict, writing every evicted entry into the memory, (3) add the read to the
-// attention output. The read comes before this chunk's evictions are written because the chunk's
-// attention already saw those entries (they were still cached): reading them back would count them
-// twice. The memory trainer (train/memory_method) replays exactly this order.
+// attention output. The read comes before the evictions of (2) are written because the chunk's attention
+// already saw those entries (they were still cached): reading them back would count them twice. The
+// entries of (0) the chunk's attention never saw, so the read includes them. The memory trainer
+// (train/memory_method) replays exactly this order.
 //
 // The cache holds post-RoPE keys, the memory wants pre-RoPE ones: this hook keeps each layer's pre-RoPE
 // keys aligned with the cache entries (appended per chunk, gathered with the same keep index). Undoing
@@ -32,6 +34,7 @@ class MemoryAugmentedCache final : public AttentionHook {
   MemoryAugmentedCache& operator=(const MemoryAugmentedCache&) = delete;
   ~MemoryAugmentedCache() override { budgeted_.on_evict(nullptr); }  // the cache may outlive this hook
 
+  void before_attention(AttentionCall& call, KVCache& cache) override { budgeted_.before_attention(call, cache); }
   void after_attention(AttentionCall& call, KVCache& cache) override;
   const MemoryState& state() const { return state_; }
 

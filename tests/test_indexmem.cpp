@@ -1,6 +1,7 @@
 // IndexMem stage 1: the streaming KL equals its formula, the indexer's score is the pooled op's (window 1)
 // and round-trips through an export, the indexmem policy keeps exactly M entries with the recent window in
-// place (and equals full when nothing is evicted), and the real CLI trains, exports and evaluates it.
+// place (and equals full when nothing is evicted) with and without pre-eviction, its running statistic is
+// the mean / max of the indexer's scores over later queries, and the real CLI trains, exports and evaluates it.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
@@ -16,6 +17,7 @@
 #include <set>
 
 #include "checkpoints/errors.h"
+#include "checkpoints/run_checkpoint.h"
 #include "checkpoints/safetensors_io.h"
 #include "golden_reader.h"
 #include "losses/streaming_kl.h"
@@ -111,32 +113,59 @@ TEST(Indexer, ExportRoundTripGivesIdenticalScores) {
 
 using test::tiny_model;
 
-// After every layer's eviction: exactly `budget` entries once the layer has seen more, the newest `recent`
-// positions in every head.
+PolicyOptions indexmem_options(std::int64_t recent, const std::string& stat, bool pre_evict) {
+  PolicyOptions o;
+  o.indexer = std::make_shared<const Indexer>(Indexer::init(tiny_model().model->config(), {8, "kv", true, false, 0.5}, 3));
+  o.indexmem_recent = recent;
+  o.indexmem_stat = stat;
+  o.indexmem_pre_evict = pre_evict;
+  return o;
+}
+
+// Around the budgeted cache: a pre-evicting policy must have cut the older entries to `budget` (the
+// `recent` tokens just before the chunk in every head) before the chunk enters the cache, and hold budget +
+// chunk after attention; a post-attention one exactly `budget` (the newest `recent` up to the chunk's end).
 struct KeepCheck : AttentionHook {
   BudgetedCache* inner;
   std::int64_t budget, recent;
+  bool pre_evict;
+  void expect_kept(const KVCache& cache, std::int64_t layer, std::int64_t from, std::int64_t to) {
+    const at::Tensor pos = cache.positions(layer);
+    for (std::int64_t p = std::max<std::int64_t>(0, from); p <= to; ++p)
+      EXPECT_TRUE((pos == p).any(-1).all().item<bool>()) << "position " << p << " evicted by " << to;
+  }
+  void before_attention(AttentionCall& call, KVCache& cache) override {
+    inner->before_attention(call, cache);
+    const std::int64_t first = call.positions[0].item<std::int64_t>();
+    if (!pre_evict) {
+      EXPECT_EQ(cache.size(call.layer), std::min(budget, first));  // cut after the previous chunk
+      return;
+    }
+    EXPECT_EQ(cache.size(call.layer), std::min(budget, first));
+    expect_kept(cache, call.layer, first - recent, first - 1);
+  }
   void after_attention(AttentionCall& call, KVCache& cache) override {
     inner->after_attention(call, cache);
-    const std::int64_t newest = call.positions[-1].item<std::int64_t>();
+    const std::int64_t first = call.positions[0].item<std::int64_t>(), newest = call.positions[-1].item<std::int64_t>();
+    if (pre_evict) {
+      EXPECT_EQ(cache.size(call.layer), std::min(budget, first) + call.q.size(2));
+      return;
+    }
     EXPECT_EQ(cache.size(call.layer), std::min(budget, newest + 1));
-    const at::Tensor pos = cache.positions(call.layer);
-    for (std::int64_t p = std::max<std::int64_t>(0, newest - recent + 1); p <= newest; ++p)
-      EXPECT_TRUE((pos == p).any(-1).all().item<bool>()) << "position " << p << " evicted at " << newest;
+    expect_kept(cache, call.layer, newest - recent + 1, newest);
   }
 };
 
-at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, std::int64_t recent) {
+// Prefill in chunks of 5, then decode one token at a time: every step checked by KeepCheck.
+at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, const PolicyOptions& o) {
   const test::TinyModel& f = tiny_model();
-  PolicyOptions o;
-  o.indexer = std::make_shared<const Indexer>(Indexer::init(f.model->config(), {8, "kv", true, false, 0.5}, 3));
-  o.indexmem_recent = recent;
   auto policy = make_policy(policy_name, o);
   BudgetedCache budgeted(*policy, budget);
   KeepCheck check;
   check.inner = &budgeted;
   check.budget = policy->bounded() ? budget : 1 << 20;
-  check.recent = recent;
+  check.recent = o.indexmem_recent;
+  check.pre_evict = policy->pre_evicts();
   KVCache cache = f.model->make_cache();
   std::vector<at::Tensor> out;
   for (std::int64_t s = 0; s < 30; s += 5) out.push_back(f.model->forward(f.tokens.narrow(1, s, 5), cache, &check));
@@ -144,12 +173,72 @@ at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, std::
   return at::cat(out, 1);
 }
 
-TEST(IndexMemPolicy, KeepsExactlyTheBudgetWithTheRecentWindow) {
+TEST(IndexMemPolicy, KeepsExactlyTheBudgetWithTheRecentWindowInEveryMode) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const at::NoGradGuard no_grad;
-  const at::Tensor full = run_engine("full", 1000, 0);
-  EXPECT_GT((run_engine("indexmem", 12, 8) - full).abs().max().item<double>(), 1e-3);
-  EXPECT_TRUE(at::equal(run_engine("indexmem", 60, 8), full));
+  const at::Tensor full = run_engine("full", 1000, indexmem_options(0, "mean", true));
+  for (const bool pre_evict : {true, false}) {
+    for (const std::string stat : {"mean", "max"}) {
+      SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
+      const PolicyOptions o = indexmem_options(8, stat, pre_evict);
+      EXPECT_GT((run_engine("indexmem", 12, o) - full).abs().max().item<double>(), 1e-3);
+      EXPECT_TRUE(at::equal(run_engine("indexmem", 60, o), full));
+    }
+  }
+}
+
+// Captures layer 0's call of every chunk and, after the last one, the policy's keep-scores.
+struct ScoreProbe : AttentionHook {
+  EvictionPolicy* policy;
+  std::vector<AttentionCall> calls;
+  at::Tensor scores;
+  void before_attention(AttentionCall& call, KVCache& cache) override {
+    if (call.layer != 0 || cache.size(0) == 0 || !policy->pre_evicts()) return;
+    PolicyView v{0, &call, &cache, {}};
+    policy->observe_before(v);
+  }
+  void after_attention(AttentionCall& call, KVCache& cache) override {
+    if (call.layer != 0) return;
+    PolicyView v{0, &call, &cache, {}};
+    policy->observe(v);
+    calls.push_back(call);
+    scores = policy->score(v);
+  }
+};
+
+// With nothing evicted, each key's statistic is the mean (or max) of I_g[s,t] over every query s >= t, the
+// chunks' split (before/after attention) notwithstanding: computed here from whole-sequence indexer scores.
+TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const at::NoGradGuard no_grad;
+  const test::TinyModel& f = tiny_model();
+  for (const bool pre_evict : {true, false}) {
+    for (const std::string stat : {"mean", "max"}) {
+      SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
+      const PolicyOptions o = indexmem_options(0, stat, pre_evict);
+      auto policy = make_policy("indexmem", o);
+      ScoreProbe probe;
+      probe.policy = policy.get();
+      KVCache cache = f.model->make_cache();
+      for (std::int64_t s = 0; s < 24; s += 6) f.model->forward(f.tokens.narrow(1, s, 6), cache, &probe);
+      auto whole = [&](auto member) {
+        std::vector<at::Tensor> parts;
+        for (const AttentionCall& c : probe.calls) parts.push_back(c.*member);
+        return at::cat(parts, member == &AttentionCall::positions ? 0 : (member == &AttentionCall::normed_input ? 1 : 2));
+      };
+      const at::Tensor x = whole(&AttentionCall::normed_input), q = whole(&AttentionCall::q_pre_rope);
+      const at::Tensor pos = whole(&AttentionCall::positions);
+      const Indexer& ix = *o.indexer;
+      const std::int64_t hkv = f.model->config().num_kv_heads;
+      const at::Tensor I = ix.score(ix.query(0, q, pos), ix.head_weights(0, x), ix.key(0, x, pos).expand({-1, hkv, -1, -1}))
+                               .to(at::kDouble);  // [1, Hkv, S, T]
+      const at::Tensor later = (pos.view({-1, 1}) >= pos.view({1, -1})).view({1, 1, 24, 24});
+      const at::Tensor want = stat == "max"
+                                  ? I.masked_fill(later.logical_not(), -std::numeric_limits<double>::infinity()).amax(2)
+                                  : I.masked_fill(later.logical_not(), 0).sum(2) / later.sum(2);
+      EXPECT_TRUE(at::allclose(probe.scores, want, 1e-5, 1e-6)) << (probe.scores - want).abs().max();
+    }
+  }
 }
 
 TEST(IndexMemPolicy, NeedsAnIndexer) {
@@ -192,6 +281,69 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
   ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[indexmem,h2o] --set indexmem.weights=" + (dir / "ix.safetensors"),
                             &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"indexmem", "h2o"}));
+}
+
+// Stage 2 from stage 1's run folder (train.init_from): the memory under the frozen indexer, then jointly
+// with it (L_KL + lambda_mse · L_MSE); both export, and the joint file serves as indexer and memory in eval.
+TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
+  const auto cli = test::stories260k_cli();
+  if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
+  test::TempDir dir("indexmem_stage2");
+  const std::string indexer_keys = "indexmem:\n  d_index: 8\n  window: 8\n";
+  std::ofstream(dir / "stage1.yaml") << test::tiny_train_yaml(*cli, "  method: indexmem\n  steps: 2\n",
+                                                              indexer_keys + "run:\n  out_dir: " + (dir / "stage1") + "\n");
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("train " + (dir / "stage1.yaml"), &out, &err), 0) << err;
+  const auto stage1 = read_safetensors(latest_checkpoint_path(dir / "stage1"));
+
+  auto stage2_yaml = [&](const std::string& name, const std::string& memory_keys) {
+    std::ofstream(dir / (name + ".yaml")) << test::tiny_train_yaml(
+        *cli, "  method: memory\n  steps: 2\n  init_from: " + (dir / "stage1") + "\n",
+        indexer_keys + "  lambda_mse: 0.5\nmemory:\n  dim: 8\n  policy: indexmem\n  budgets: [8, 12]\n  chunk: 4\n" +
+            memory_keys + "run:\n  out_dir: " + (dir / name) + "\n");
+    return "train " + (dir / (name + ".yaml"));
+  };
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("frozen", ""), &out, &err), 0) << err;
+  for (const auto& j : test::read_jsonl(dir / "frozen/metrics.jsonl")) {
+    EXPECT_GT(j["mse"].get<double>(), 0.0) << j.dump();
+    EXPECT_FALSE(j.contains("kl")) << j.dump();
+  }
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "frozen") + " --out " + (dir / "frozen.safetensors"), &out, &err), 0) << err;
+  const auto frozen = read_safetensors(dir / "frozen.safetensors");
+  EXPECT_EQ(frozen.tensors.size(), 5u * 5u);  // the memory only: the indexer stayed stage 1's
+  EXPECT_EQ(frozen.metadata.at("memory_policy"), "indexmem");
+
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint", "  joint: true\n"), &out, &err), 0) << err;
+  const auto lines = test::read_jsonl(dir / "joint/metrics.jsonl");
+  ASSERT_EQ(lines.size(), 2u);
+  for (const auto& j : lines) {
+    EXPECT_GT(j["kl"].get<double>(), 0.0) << j.dump();
+    EXPECT_GT(j["mse"].get<double>(), 0.0) << j.dump();
+    EXPECT_NEAR(j["loss"].get<double>(), j["kl"].get<double>() + 0.5 * j["mse"].get<double>(), 1e-6) << j.dump();
+  }
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "joint") + " --out " + (dir / "joint.safetensors"), &out, &err), 0) << err;
+  const auto joint = read_safetensors(dir / "joint.safetensors");
+  EXPECT_EQ(joint.tensors.size(), 5u * 4u + 5u * 5u);  // indexer and memory
+  EXPECT_EQ(joint.metadata.at("method"), "joint");
+  EXPECT_EQ(joint.metadata.at("d_index"), "8");
+  const std::string wk = "model.layers.0.self_attn.indexer.wk";
+  EXPECT_FALSE(at::equal(joint.tensors.at(wk), stage1.tensors.at(wk))) << "the joint stage did not train the indexer";
+
+  std::set<std::string> policies;
+  const std::string file = dir / "joint.safetensors";
+  ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[indexmem+mem,indexmem] --set indexmem.weights=" + file +
+                                                    " --set memory.weights=" + file, &policies, &err), 0) << err;
+  EXPECT_EQ(policies, (std::set<std::string>{"indexmem+mem", "indexmem"}));
+
+  // What stage 2 needs is named when it is missing or does not fit.
+  const std::pair<std::string, std::string> bad[] = {
+      {"--set train.init_from=", "train.init_from"},  // a learned base policy without stage 1
+      {"--set memory.policy=h2o --set memory.joint=true --set train.init_from=", "memory.joint"},
+      {"--set train.method=indexmem", "train.init_from"}};  // init_from is stage 2's
+  for (const auto& [sets, key] : bad) {
+    EXPECT_NE(test::run_kvbound(stage2_yaml("bad", "") + " " + sets, &out, &err), 0) << sets;
+    EXPECT_NE(err.find(key), std::string::npos) << sets << ": " << err;
+  }
 }
 
 }  // namespace

@@ -209,39 +209,51 @@ TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
 }
 
 // Layer 0 sees the same input with or without eviction upstream, so the trainer's replay of layer 0 must
-// reproduce the engine's layer-0 output exactly: same read/evict/write order, same attention.
-TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngine) {
+// reproduce the engine's layer-0 output exactly: same read/evict/write order, same attention, under a
+// heuristic, trimkv, and the pre-evicting indexmem (cut before the chunk's attention, then read).
+TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngineUnderEveryKindOfPolicy) {
   const test::TinyModel& f = tiny_model();
-  MemorySettings s;
-  s.memory.gate_bias_init = 2;  // an open gate, so the memory's share of the output is large
-  s.budgets = {8};
-  s.chunk = 5;
-  MemoryMethod method(*f.model, s, 1);
-  Batch batch;
-  batch.inputs = f.tokens;
-  batch.weights = at::ones({1, f.tokens.size(1)});
-  const double replay_mse = method.loss(batch).per_layer.at(0);
+  for (const std::string policy_name : {"h2o", "trimkv", "indexmem"}) {
+    SCOPED_TRACE(policy_name);
+    MemorySettings s;
+    s.memory.gate_bias_init = 2;  // an open gate, so the memory's share of the output is large
+    s.policy = policy_name;
+    s.policy_options.trimkv_gates =
+        std::make_shared<const RetentionGates>(RetentionGates::init(f.model->config(), {16, 2.0, 0.5}, 9));
+    s.policy_options.indexer = std::make_shared<const Indexer>(Indexer::init(f.model->config(), {8, "kv", true, false, 0.5}, 9));
+    s.budgets = {8};
+    s.chunk = 5;
+    MemoryMethod method(*f.model, s, 1);
+    Batch batch;
+    batch.inputs = f.tokens;
+    batch.weights = at::ones({1, f.tokens.size(1)});
+    const double replay_mse = method.loss(batch).per_layer.at(0);
 
-  struct LayerZero : AttentionHook {
-    AttentionHook* inner = nullptr;
-    std::vector<at::Tensor> outputs;
-    void after_attention(AttentionCall& call, KVCache& cache) override {
-      if (inner) inner->after_attention(call, cache);
-      if (call.layer == 0) outputs.push_back(call.output.detach().clone());
-    }
-  };
-  const at::NoGradGuard no_grad;
-  LayerZero full, engine;
-  KVCache full_cache = f.model->make_cache(), cache = f.model->make_cache();
-  f.model->forward(f.tokens, full_cache, &full);
-  auto policy = method.eval_policy();
-  BudgetedHook hook(*policy, 8);
-  engine.inner = hook.get();
-  for (std::int64_t t = 0; t < 60; t += 5) f.model->forward(f.tokens.narrow(1, t, 5), cache, &engine);
-  // The first cut follows the chunk that ends at position 9 (10 > 8 entries): positions 10.. are scored.
-  const at::Tensor o = at::cat(engine.outputs, 2).narrow(2, 10, 50), o_full = full.outputs[0].narrow(2, 10, 50);
-  EXPECT_NEAR((o - o_full).pow(2).mean().item<double>(), replay_mse, 1e-6 * replay_mse);
-  EXPECT_GT(replay_mse, 0);
+    struct LayerZero : AttentionHook {
+      AttentionHook* inner = nullptr;
+      std::vector<at::Tensor> outputs;
+      void before_attention(AttentionCall& call, KVCache& cache) override {
+        if (inner) inner->before_attention(call, cache);
+      }
+      void after_attention(AttentionCall& call, KVCache& cache) override {
+        if (inner) inner->after_attention(call, cache);
+        if (call.layer == 0) outputs.push_back(call.output.detach().clone());
+      }
+    };
+    const at::NoGradGuard no_grad;
+    LayerZero full, engine;
+    KVCache full_cache = f.model->make_cache(), cache = f.model->make_cache();
+    f.model->forward(f.tokens, full_cache, &full);
+    auto policy = method.eval_policy();
+    BudgetedHook hook(*policy, 8);
+    engine.inner = hook.get();
+    for (std::int64_t t = 0; t < 60; t += 5) f.model->forward(f.tokens.narrow(1, t, 5), cache, &engine);
+    // The first cut follows the chunk that ends at position 9 (10 > 8 entries), after its attention or (a
+    // pre-evicting policy) before the next chunk's: either way positions 10.. are the first to differ.
+    const at::Tensor o = at::cat(engine.outputs, 2).narrow(2, 10, 50), o_full = full.outputs[0].narrow(2, 10, 50);
+    EXPECT_NEAR((o - o_full).pow(2).mean().item<double>(), replay_mse, 1e-6 * replay_mse);
+    EXPECT_GT(replay_mse, 0);
+  }
 }
 
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate h2o+mem.

@@ -9,16 +9,12 @@
 
 #include "checkpoints/atomic_file.h"
 #include "checkpoints/errors.h"
-#include "checkpoints/safetensors_io.h"
 #include "data/tokenizer.h"
 #include "eval/budget_sweep.h"
 #include "eval/plots.h"
 #include "eval/results.h"
 #include "modules/backbone.h"
 #include "modules/policies/registry.h"
-#include "modules/indexer.h"
-#include "modules/latent_memory.h"
-#include "modules/retention_gate.h"
 #include "train/commands.h"
 #include "train/config.h"
 #include "train/model_setup.h"
@@ -47,7 +43,6 @@ ConfigSchema eval_schema() {
       .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth")
       .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)")
       .add("indexmem.weights", ConfigType::String, "\"\"", "indexmem: indexer file from `kvbound export` (required by policy indexmem)")
-      .add("indexmem.recent", ConfigType::Int, "8", "indexmem: most recent tokens always kept")
       .add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)");
   add_policy_keys(s);
   return s;
@@ -78,10 +73,8 @@ SweepSettings sweep_settings(const Config& c) {
   s.retrieval.chunk_size = s.continuation.chunk_size;
   s.retrieval.buffer = s.continuation.buffer;
   s.retrieval.seed = s.seed;
-  s.policy_options = heuristic_policy_options(c);
+  s.policy_options = configured_policy_options(c);
   s.policy_options.seed = s.seed;
-  s.policy_options.indexmem_recent = c.get_int("indexmem.recent");
-  if (s.policy_options.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
   return s;
 }
 
@@ -107,24 +100,13 @@ int cmd_eval(int argc, char** argv) {
   const std::string& tok_path = loaded.tokenizer_path;
   const auto& tokenizer = loaded.tokenizer;
   const auto& model = loaded.model;
+  // Learned weights are checked against this backbone here, before any evaluation work.
   const std::string gates_path = config.get_string("trimkv.gates");
-  if (!gates_path.empty()) {
-    // Shapes are checked against this backbone here, before any evaluation work.
-    settings.policy_options.trimkv_gates = std::make_shared<const RetentionGates>(
-        RetentionGates::from_tensors(read_safetensors(gates_path).tensors, model->config(), gates_path));
-  }
+  if (!gates_path.empty()) settings.policy_options.trimkv_gates = load_gates(gates_path, model->config());
   const std::string indexer_path = config.get_string("indexmem.weights");
-  if (!indexer_path.empty()) {
-    // The indexer's settings (d_I, key heads, rope, relu) travel in the export's metadata.
-    const SafetensorsFile file = read_safetensors(indexer_path);
-    settings.policy_options.indexer = std::make_shared<const Indexer>(Indexer::from_tensors(
-        file.tensors, model->config(), indexer_settings(file.metadata, indexer_path), indexer_path));
-  }
+  if (!indexer_path.empty()) settings.policy_options.indexer = load_indexer(indexer_path, model->config());
   const std::string memory_path = config.get_string("memory.weights");
-  if (!memory_path.empty()) {
-    settings.policy_options.memory = std::make_shared<const LatentMemory>(
-        LatentMemory::from_tensors(read_safetensors(memory_path).tensors, model->config(), memory_path));
-  }
+  if (!memory_path.empty()) settings.policy_options.memory = load_memory(memory_path, model->config());
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");

@@ -31,19 +31,8 @@ int cmd_export(int argc, char** argv) {
   if (!r.count("run_dir")) fail("kvbound export", "RUN_DIR", "missing (see --help)");
   if (!r.count("out")) fail("kvbound export", "--out", "missing output file");
   const std::string run_dir = r["run_dir"].as<std::string>(), out = r["out"].as<std::string>();
-  if (!std::filesystem::is_directory(run_dir)) fail(run_dir, "RUN_DIR", "not a folder");
-
-  std::string source;
-  SafetensorsFile file;
-  if (r.count("best")) {
-    source = (std::filesystem::path(run_dir) / "best.safetensors").string();
-    if (!std::filesystem::exists(source)) fail(source, "--best", "no periodic eval has run in this folder (data.eval_text empty?)");
-    file = read_safetensors(source);
-  } else {
-    source = latest_checkpoint_path(run_dir);
-    if (source.empty()) fail(run_dir, "checkpoints/LATEST", "no checkpoint in this run folder");
-    file = read_safetensors(source);
-  }
+  const std::string source = run_weights_path(run_dir, r.count("best") > 0, r.count("best") ? "--best" : "RUN_DIR");
+  const SafetensorsFile file = read_safetensors(source);
   std::map<std::string, at::Tensor> tensors;
   for (auto& [name, t] : file.tensors)
     if (name.rfind("optimizer.", 0) != 0) tensors[name] = t;

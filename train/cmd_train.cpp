@@ -18,6 +18,7 @@
 #include "train/commands.h"
 #include "train/config.h"
 #include "train/indexmem_method.h"
+#include "train/joint_method.h"
 #include "train/memory_method.h"
 #include "train/model_setup.h"
 #include "train/trainer.h"
@@ -32,6 +33,8 @@ ConfigSchema train_schema() {
   s.add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
       .add("train.method", ConfigType::String, "trimkv", "what to train: trimkv | indexmem | memory")
+      .add("train.init_from", ConfigType::String, "\"\"",
+           "memory under trimkv/indexmem: the stage-1 run folder (its best.safetensors, else latest checkpoint) or export")
       .add("train.steps", ConfigType::Int, "200", "optimizer updates")
       .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
       .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")
@@ -66,18 +69,47 @@ ConfigSchema train_schema() {
       .add("indexmem.pool", ConfigType::String, "mean", "pooling over each key's query window: mean | max | logsumexp")
       .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
       .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap")
-      .add("indexmem.recent", ConfigType::Int, "8", "eval policy: newest tokens always kept")
+      .add("indexmem.lambda_mse", ConfigType::Float, "1.0", "memory.joint: weight of L_MSE in L_KL + lambda_mse * L_MSE")
       .add("memory.dim", ConfigType::Int, "16", "latent memory size d_m (16..64)")
       .add("memory.policy", ConfigType::String, "h2o", "base eviction policy the memory is trained (and evaluated) with")
       .add("memory.budgets", ConfigType::IntList, "[16, 32]", "budgets M whose evictions are replayed (loss averaged)")
       .add("memory.chunk", ConfigType::Int, "16", "replay chunk size (the engine's prefill chunk)")
+      .add("memory.joint", ConfigType::Bool, "false", "memory.policy indexmem: train the indexer too (L_KL + lambda_mse * L_MSE)")
       .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
-  add_policy_keys(s);  // the heuristics a memory is trained under (memory.policy)
+  add_policy_keys(s);  // the policy a memory is trained under (memory.policy), and indexmem's eval policy
   return s;
+}
+
+std::uint64_t seed_of(const Config& c) { return static_cast<std::uint64_t>(c.get_int("train.seed")); }
+
+IndexerSettings indexer_settings_of(const Config& c) {
+  IndexerSettings s;
+  s.d_index = c.get_int("indexmem.d_index");
+  s.key_heads = c.get_string("indexmem.key_heads");
+  s.rope = c.get_bool("indexmem.rope");
+  s.relu = c.get_bool("indexmem.relu");
+  return s;
+}
+
+// The KL target (indexmem.pool/window/min_gap) and eval policy of an indexer with `indexer` settings.
+IndexMemSettings indexmem_settings(const Config& c, const IndexerSettings& indexer) {
+  IndexMemSettings m;
+  m.indexer = indexer;
+  m.pool_name = c.get_string("indexmem.pool");
+  if (m.pool_name != "mean" && m.pool_name != "max" && m.pool_name != "logsumexp")
+    fail("config", "indexmem.pool", "'" + m.pool_name + "' (mean, max, logsumexp)");
+  m.pool = ops::parse_pool_mode(m.pool_name);
+  m.window = c.get_int("indexmem.window");
+  m.min_gap = c.get_int("indexmem.min_gap");
+  if (m.min_gap < 0) fail("config", "indexmem.min_gap", "must be >= 0");
+  m.policy_options = configured_policy_options(c);
+  return m;
 }
 
 std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& model) {
   const std::string method = c.get_string("train.method");
+  if (method != "memory" && !c.get_string("train.init_from").empty())
+    fail("config", "train.init_from", "only train.method memory starts from a stage-1 run (got method '" + method + "')");
   if (method == "trimkv") {
     TrimKVSettings t;
     t.gate.hidden = c.get_int("trimkv.gate_hidden");
@@ -93,24 +125,10 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
       if (!(c.get_float(key) >= 0)) fail("config", key, "must be >= 0");
     t.loss_block_rows = c.get_int("train.loss_block_rows");
     if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
-    return std::make_unique<TrimKVMethod>(model, t, static_cast<std::uint64_t>(c.get_int("train.seed")));
+    return std::make_unique<TrimKVMethod>(model, t, seed_of(c));
   }
   if (method == "indexmem") {
-    IndexMemSettings m;
-    m.indexer.d_index = c.get_int("indexmem.d_index");
-    m.indexer.key_heads = c.get_string("indexmem.key_heads");
-    m.indexer.rope = c.get_bool("indexmem.rope");
-    m.indexer.relu = c.get_bool("indexmem.relu");
-    m.pool_name = c.get_string("indexmem.pool");
-    if (m.pool_name != "mean" && m.pool_name != "max" && m.pool_name != "logsumexp")
-      fail("config", "indexmem.pool", "'" + m.pool_name + "' (mean, max, logsumexp)");
-    m.pool = ops::parse_pool_mode(m.pool_name);
-    m.window = c.get_int("indexmem.window");
-    m.min_gap = c.get_int("indexmem.min_gap");
-    if (m.min_gap < 0) fail("config", "indexmem.min_gap", "must be >= 0");
-    m.recent = c.get_int("indexmem.recent");
-    if (m.recent < 0) fail("config", "indexmem.recent", "must be >= 0");
-    return std::make_unique<IndexMemIndexerMethod>(model, m, static_cast<std::uint64_t>(c.get_int("train.seed")));
+    return std::make_unique<IndexMemIndexerMethod>(model, indexmem_settings(c, indexer_settings_of(c)), seed_of(c));
   }
   if (method == "memory") {
     MemorySettings m;
@@ -119,13 +137,38 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
     m.policy = c.get_string("memory.policy");
     if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
       fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
-    if (m.policy == "trimkv" || m.policy == "indexmem")
-      fail("config", "memory.policy", "a memory under the learned '" + m.policy + "' policy is not built yet (use a heuristic)");
-    m.policy_options = heuristic_policy_options(c);
-    m.policy_options.seed = static_cast<std::uint64_t>(c.get_int("train.seed"));
+    m.policy_options = configured_policy_options(c);
+    m.policy_options.seed = seed_of(c);
     m.budgets = c.get_int_list("memory.budgets");
     m.chunk = c.get_int("memory.chunk");
-    return std::make_unique<MemoryMethod>(model, m, static_cast<std::uint64_t>(c.get_int("train.seed")));
+    const bool joint = c.get_bool("memory.joint");
+    if (joint && m.policy != "indexmem") fail("config", "memory.joint", "needs memory.policy indexmem (got '" + m.policy + "')");
+    // A learned base policy evicts with stage 1's weights; nothing else is read from train.init_from.
+    const std::string init_from = c.get_string("train.init_from");
+    const bool learned = m.policy == "trimkv" || m.policy == "indexmem";
+    if (!learned && !init_from.empty())
+      fail("config", "train.init_from", "memory.policy '" + m.policy + "' has no trained weights to start from");
+    if (learned && init_from.empty())
+      fail("config", "train.init_from", "memory.policy '" + m.policy + "' needs the stage-1 run folder or its export");
+    const std::string weights = learned && std::filesystem::is_directory(init_from)
+                                    ? run_weights_path(init_from, std::filesystem::exists(init_from + "/best.safetensors"),
+                                                       "train.init_from")
+                                    : init_from;
+    if (m.policy == "trimkv") m.policy_options.trimkv_gates = load_gates(weights, model.config());
+    if (m.policy != "indexmem") return std::make_unique<MemoryMethod>(model, m, seed_of(c));
+
+    const std::shared_ptr<const Indexer> stage1 = load_indexer(weights, model.config());
+    if (!joint) {
+      m.policy_options.indexer = stage1;
+      return std::make_unique<MemoryMethod>(model, m, seed_of(c));
+    }
+    // Joint: the stage-1 indexer keeps training (its own settings; the KL target from this config's indexmem.*).
+    auto indexer = std::make_shared<Indexer>(*stage1);
+    for (at::Tensor& p : indexer->parameters()) p.set_requires_grad(true);  // the handles share the leaves
+    auto kl = std::make_unique<IndexMemIndexerMethod>(model, indexmem_settings(c, indexer->settings()), indexer);
+    m.policy_options.indexer = indexer;
+    return std::make_unique<JointMethod>(std::move(kl), std::make_unique<MemoryMethod>(model, m, seed_of(c)),
+                                         c.get_float("indexmem.lambda_mse"));
   }
   fail("config", "train.method", "'" + method + "' (trimkv, indexmem, memory)");
 }

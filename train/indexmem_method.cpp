@@ -35,6 +35,10 @@ IndexMemIndexerMethod::IndexMemIndexerMethod(const Backbone& model, const IndexM
     : model_(model), settings_(settings),
       indexer_(std::make_shared<Indexer>(Indexer::init(model.config(), settings.indexer, seed))) {}
 
+IndexMemIndexerMethod::IndexMemIndexerMethod(const Backbone& model, const IndexMemSettings& settings,
+                                             std::shared_ptr<Indexer> indexer)
+    : model_(model), settings_(settings), indexer_(std::move(indexer)) {}
+
 StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
   // Ω(t) is "the last W queries of the row", so a padded row must not count its padding as queries: rows
   // are grouped by real length L (their weighted positions: padding, and a document's last token, which has
@@ -92,9 +96,8 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
 }
 
 std::unique_ptr<EvictionPolicy> IndexMemIndexerMethod::eval_policy() const {
-  PolicyOptions o;
+  PolicyOptions o = settings_.policy_options;
   o.indexer = indexer_;
-  o.indexmem_recent = settings_.recent;
   return make_policy("indexmem", o);
 }
 
@@ -111,7 +114,9 @@ std::map<std::string, std::string> IndexMemIndexerMethod::metadata() const {
             {"pool", settings_.pool_name},
             {"window", std::to_string(settings_.window)},
             {"min_gap", std::to_string(settings_.min_gap)},
-            {"recent", std::to_string(settings_.recent)}});
+            {"recent", std::to_string(settings_.policy_options.indexmem_recent)},
+            {"stat", settings_.policy_options.indexmem_stat},
+            {"pre_evict", settings_.policy_options.indexmem_pre_evict ? "true" : "false"}});
   return m;
 }
 

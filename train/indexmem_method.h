@@ -17,12 +17,14 @@ struct IndexMemSettings {
   std::string pool_name = "mean";
   std::int64_t window = 32;  // Ω(t): the last `window` queries of the row (<= 0: every later query)
   std::int64_t min_gap = 0;  // Ω(t): only queries >= t + min_gap
-  std::int64_t recent = 8;   // eval policy: newest tokens always kept
+  PolicyOptions policy_options;  // the eval policy's settings (indexmem.recent, .stat, .pre_evict)
 };
 
 class IndexMemIndexerMethod final : public TrainingMethod {
  public:
   IndexMemIndexerMethod(const Backbone& model, const IndexMemSettings& settings, std::uint64_t seed);
+  // Continues training `indexer` (trainable leaves; its settings must equal settings.indexer).
+  IndexMemIndexerMethod(const Backbone& model, const IndexMemSettings& settings, std::shared_ptr<Indexer> indexer);
 
   std::string name() const override { return "indexmem"; }
   std::map<std::string, at::Tensor> named_parameters() const override { return indexer_->named_tensors(); }
@@ -30,6 +32,7 @@ class IndexMemIndexerMethod final : public TrainingMethod {
   std::unique_ptr<EvictionPolicy> eval_policy() const override;
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "kl_per_layer"; }
+  const std::shared_ptr<Indexer>& indexer() const { return indexer_; }
 
  private:
   const Backbone& model_;

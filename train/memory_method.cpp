@@ -89,12 +89,16 @@ StepLoss MemoryMethod::loss(const Batch& batch) {
     double elements = 0;
     for (std::int64_t s = 0; s < T; s += settings_.chunk) {
       const std::int64_t n = std::min(settings_.chunk, T - s);
-      // Before the first eviction o equals o_full and the memory is empty: such chunks teach nothing.
-      const bool scored = budgeted.evictions() > 0;
+      // Before the first eviction o equals o_full and the memory is empty: such chunks teach nothing. Every
+      // layer holds as many entries, so layer 0 decides for the chunk: evicted before its attention (a
+      // pre-evicting policy) or after an earlier chunk's.
+      bool scored = false;
       const at::Tensor mask = real.narrow(2, s, n);
       for (std::int64_t l = 0; l < num_layers; ++l) {
         const AttentionCall& full = teacher.calls[static_cast<std::size_t>(l)];
         AttentionCall call = chunk_of(full, s, n);
+        hook.before_attention(call, cache);  // a pre-evicting policy's cut (writing the memory)
+        if (l == 0) scored = budgeted.evictions() > 0;
         cache.append(l, call.k, call.v, call.positions);
         call.output = attend(call, cache);
         hook.after_attention(call, cache);  // read, evict (writing the memory), o += g·m: the eval's order

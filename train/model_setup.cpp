@@ -6,6 +6,10 @@
 #include <thread>
 
 #include "checkpoints/errors.h"
+#include "checkpoints/safetensors_io.h"
+#include "modules/indexer.h"
+#include "modules/latent_memory.h"
+#include "modules/retention_gate.h"
 #include "train/commands.h"
 
 namespace kvbound {
@@ -37,10 +41,14 @@ void add_policy_keys(ConfigSchema& s) {
   s.add("policy.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept")
       .add("policy.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept")
       .add("policy.snapkv_window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
-      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)");
+      .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
+      .add("indexmem.recent", ConfigType::Int, "8", "indexmem policy: most recent tokens always kept")
+      .add("indexmem.stat", ConfigType::String, "mean", "indexmem policy: running statistic of a key's scores: mean | max")
+      .add("indexmem.pre_evict", ConfigType::Bool, "true",
+           "indexmem policy: evict before a chunk's attention (false: after it, like h2o)");
 }
 
-PolicyOptions heuristic_policy_options(const Config& c) {
+PolicyOptions configured_policy_options(const Config& c) {
   PolicyOptions o;
   o.sinks = c.get_int("policy.sinks");
   o.recent = c.get_int("policy.recent");
@@ -50,7 +58,27 @@ PolicyOptions heuristic_policy_options(const Config& c) {
   if (o.recent < 0) fail("config", "policy.recent", "must be >= 0");
   if (o.snapkv_window < 1) fail("config", "policy.snapkv_window", "must be >= 1");
   if (o.snapkv_pool < 1 || o.snapkv_pool % 2 == 0) fail("config", "policy.snapkv_pool", "must be odd and >= 1");
+  o.indexmem_recent = c.get_int("indexmem.recent");
+  o.indexmem_stat = c.get_string("indexmem.stat");
+  o.indexmem_pre_evict = c.get_bool("indexmem.pre_evict");
+  if (o.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
+  if (o.indexmem_stat != "mean" && o.indexmem_stat != "max")
+    fail("config", "indexmem.stat", "'" + o.indexmem_stat + "' (mean, max)");
   return o;
+}
+
+std::shared_ptr<const RetentionGates> load_gates(const std::string& path, const ModelConfig& config) {
+  return std::make_shared<const RetentionGates>(RetentionGates::from_tensors(read_safetensors(path).tensors, config, path));
+}
+
+std::shared_ptr<const Indexer> load_indexer(const std::string& path, const ModelConfig& config) {
+  const SafetensorsFile file = read_safetensors(path);
+  return std::make_shared<const Indexer>(
+      Indexer::from_tensors(file.tensors, config, indexer_settings(file.metadata, path), path));
+}
+
+std::shared_ptr<const LatentMemory> load_memory(const std::string& path, const ModelConfig& config) {
+  return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(read_safetensors(path).tensors, config, path));
 }
 
 }  // namespace kvbound

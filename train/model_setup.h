@@ -23,9 +23,17 @@ struct ConfiguredModel {
 // one beside the weights) and the backbone in model.dtype. Bad values are kvbound::Error naming the key.
 ConfiguredModel load_configured_model(const Config& config);
 
-// policy.sinks, policy.recent, policy.snapkv_window, policy.snapkv_pool: the heuristics' settings.
+// policy.sinks, policy.recent, policy.snapkv_window, policy.snapkv_pool (the heuristics' settings) and
+// indexmem.recent, indexmem.stat, indexmem.pre_evict (the indexmem policy's inference settings).
 void add_policy_keys(ConfigSchema& schema);
 // PolicyOptions from those keys (kvbound::Error naming the key for a bad value); other fields default.
-PolicyOptions heuristic_policy_options(const Config& config);
+PolicyOptions configured_policy_options(const Config& config);
+
+// Trained modules from a safetensors file (an export, or a run checkpoint: extra tensors are ignored),
+// checked against the backbone; kvbound::Error naming the file and tensor otherwise. The indexer's settings
+// (d_I, key heads, rope, relu) come from the file's metadata.
+std::shared_ptr<const RetentionGates> load_gates(const std::string& path, const ModelConfig& config);
+std::shared_ptr<const Indexer> load_indexer(const std::string& path, const ModelConfig& config);
+std::shared_ptr<const LatentMemory> load_memory(const std::string& path, const ModelConfig& config);
 
 }  // namespace kvbound

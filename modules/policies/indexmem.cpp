@@ -1,11 +1,19 @@
-// indexmem (DESIGN.md, "IndexMem"): each cached key keeps the running mean of the learned indexer's score
-// I_g[s,t] over the queries s that have seen it (the statistic the indexer was trained to predict, pooled
-// by mean), and the `recent` newest tokens are always kept (without them eviction collapses). Scoring an
-// old key against new queries needs its indexer key kI, so kI is per-entry state that follows the cache.
-// The statistics are updated after the chunk's attention, like h2o; updating them before it (pre-eviction,
-// so the chunk's attention already runs over the kept set) is a follow-up.
+// indexmem (DESIGN.md, "IndexMem"): each cached key keeps a running statistic of the learned indexer's
+// score I_g[s,t] over the queries s that have seen it — the mean (what the indexer was trained to predict,
+// pooled by mean; default) or the max (ablation) — and the `recent` newest tokens are always kept (without
+// them eviction collapses). Scoring an old key against new queries needs its indexer key kI, so kI is
+// per-entry state that follows the cache.
+//
+// Pre-eviction (default): a chunk's queries update the statistics of the cached keys *before* the chunk's
+// attention, the cache is cut to M there, and attention runs over the kept set plus the chunk; the recent
+// window is then the `recent` tokens just before the chunk. With pre_evict off the policy behaves like h2o:
+// statistics after attention, cut after attention, recent window ending at the chunk's last token.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/maximum.h>
+
+#include <limits>
 
 #include "checkpoints/errors.h"
 #include "modules/indexer.h"
@@ -17,44 +25,80 @@ namespace {
 
 class IndexMem final : public EvictionPolicy {
  public:
-  IndexMem(std::shared_ptr<const Indexer> indexer, std::int64_t recent) : indexer_(std::move(indexer)), recent_(recent) {}
+  IndexMem(std::shared_ptr<const Indexer> indexer, std::int64_t recent, bool use_max, bool pre_evict)
+      : indexer_(std::move(indexer)), recent_(recent), use_max_(use_max), pre_evict_(pre_evict) {}
+
+  bool pre_evicts() const override { return pre_evict_; }
+
+  void observe_before(const PolicyView& v) override {
+    const at::NoGradGuard no_grad;  // a trainer's live indexer has trainable leaves; scores are constants here
+    update_cached(v, v.cache->size(v.layer));
+  }
 
   void observe(const PolicyView& v) override {
-    const at::NoGradGuard no_grad;  // a trainer's live indexer has trainable leaves; scores are constants here
+    const at::NoGradGuard no_grad;
     const AttentionCall& call = *v.call;
-    const at::Tensor kpos = v.cache->positions(v.layer);  // [B, Hkv, N]: older entries, then the chunk
-    const std::int64_t n = kpos.size(-1), hkv = kpos.size(1);
-    const at::Tensor chunk_keys = indexer_->key(v.layer, call.normed_input, call.positions);  // [B, Hk, T, dI]
-    const at::Tensor new_keys = chunk_keys.expand({-1, hkv, -1, -1});
-    if (static_cast<std::size_t>(v.layer) >= keys_.size()) keys_.resize(static_cast<std::size_t>(v.layer) + 1);
-    at::Tensor& keys = keys_[static_cast<std::size_t>(v.layer)];
-    keys = keys.defined() ? at::cat({keys, new_keys}, 2) : new_keys.contiguous();
+    const std::int64_t t = call.q.size(2), older = v.cache->size(v.layer) - t;
+    if (!pre_evict_) update_cached(v, older);
 
-    const at::Tensor I = indexer_->score(indexer_->query(v.layer, call.q_pre_rope, call.positions),
-                                         indexer_->head_weights(v.layer, call.normed_input), keys);  // [B, Hkv, T, N]
-    const at::Tensor visible = kpos.unsqueeze(2) <= call.positions.view({1, 1, -1, 1});              // [B, Hkv, T, N]
-    at::Tensor& sum = sum_.extend(v.layer, n, kpos.to(at::kDouble));
-    at::Tensor& seen = seen_.extend(v.layer, n, kpos.to(at::kDouble));
-    sum = sum + I.masked_fill(visible.logical_not(), 0).sum(2).to(at::kDouble);
-    seen = seen + visible.sum(2).to(at::kDouble);
+    // The chunk's own entries: scored by the chunk's queries at or after them.
+    const std::int64_t hkv = v.cache->positions(v.layer).size(1);
+    const at::Tensor chunk_keys = indexer_->key(v.layer, call.normed_input, call.positions).expand({-1, hkv, -1, -1});
+    const at::Tensor I = indexer_->score(query(call), weights(call), chunk_keys);  // [B, Hkv, T, T]
+    const at::Tensor visible = (call.positions.view({1, 1, -1, 1}) >= call.positions.view({1, 1, 1, -1})).expand_as(I);
+    const auto l = static_cast<std::size_t>(v.layer);
+    if (l >= keys_.size()) keys_.resize(l + 1);
+    keys_[l] = keys_[l].defined() ? at::cat({keys_[l], chunk_keys}, 2) : chunk_keys.contiguous();
+
+    const at::Tensor like = v.cache->positions(v.layer).to(at::kDouble);
+    at::Tensor& stat = stat_.extend(v.layer, older + t, like);
+    at::Tensor& seen = seen_.extend(v.layer, older + t, like);
+    const at::Tensor chunk_stat =
+        use_max_ ? I.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity()).amax(2)
+                 : I.masked_fill(visible.logical_not(), 0).sum(2);
+    stat.narrow(-1, older, t).copy_(chunk_stat);
+    seen.narrow(-1, older, t).copy_(visible.sum(2));
   }
 
   at::Tensor score(const PolicyView& v) override {
-    const at::Tensor mean = sum_.get(v.layer) / seen_.get(v.layer).clamp_min(1);
-    return protect_recent(mean, v.cache->positions(v.layer), v.call->positions[-1].item<std::int64_t>(), recent_);
+    const at::Tensor& stat = stat_.get(v.layer);
+    const at::Tensor value = use_max_ ? stat : stat / seen_.get(v.layer).clamp_min(1);
+    // Pre-eviction keeps the `recent` tokens just before the chunk; otherwise those ending at its last token.
+    const at::Tensor& qpos = v.call->positions;
+    const std::int64_t newest = pre_evict_ ? qpos[0].item<std::int64_t>() - 1 : qpos[-1].item<std::int64_t>();
+    return protect_recent(value, v.cache->positions(v.layer), newest, recent_);
   }
 
   void retained(std::int64_t layer, const at::Tensor& index) override {
-    sum_.gather(layer, index);
+    stat_.gather(layer, index);
     seen_.gather(layer, index);
     at::Tensor& keys = keys_.at(static_cast<std::size_t>(layer));
     keys = at::gather(keys, 2, index.unsqueeze(-1).expand({-1, -1, -1, keys.size(-1)}));
   }
 
  private:
+  at::Tensor query(const AttentionCall& call) const { return indexer_->query(call.layer, call.q_pre_rope, call.positions); }
+  at::Tensor weights(const AttentionCall& call) const { return indexer_->head_weights(call.layer, call.normed_input); }
+
+  // The chunk's queries score the `older` entries cached before it (every one of them precedes the chunk).
+  void update_cached(const PolicyView& v, std::int64_t older) {
+    if (older == 0) return;
+    const at::Tensor keys = keys_.at(static_cast<std::size_t>(v.layer));
+    const at::Tensor I = indexer_->score(query(*v.call), weights(*v.call), keys.narrow(2, 0, older));  // [B, Hkv, T, older]
+    at::Tensor stat = stat_.get(v.layer).narrow(-1, 0, older);
+    if (use_max_) {
+      stat.copy_(at::maximum(stat, I.amax(2).to(at::kDouble)));
+    } else {
+      stat.add_(I.sum(2).to(at::kDouble));
+      seen_.get(v.layer).narrow(-1, 0, older).add_(static_cast<double>(I.size(2)));
+    }
+  }
+
   std::shared_ptr<const Indexer> indexer_;
   std::int64_t recent_;
-  PerEntryState sum_, seen_;
+  bool use_max_, pre_evict_;
+  PerEntryState stat_, seen_;     // per layer [B, Hkv, N]: running sum (or max) of I over the queries that saw
+                                  // each entry, and how many did
   std::vector<at::Tensor> keys_;  // per layer [B, Hkv, N, dI]: each cached entry's indexer key
 };
 
@@ -62,7 +106,10 @@ class IndexMem final : public EvictionPolicy {
 
 std::unique_ptr<EvictionPolicy> make_indexmem(const PolicyOptions& o) {
   if (!o.indexer) fail("config", "indexmem.weights", "policy indexmem needs an indexer file (kvbound export RUN_DIR --out FILE)");
-  return std::make_unique<IndexMem>(o.indexer, o.indexmem_recent);
+  if (o.indexmem_stat != "mean" && o.indexmem_stat != "max")
+    fail("config", "indexmem.stat", "'" + o.indexmem_stat + "' (mean, max)");
+  if (o.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
+  return std::make_unique<IndexMem>(o.indexer, o.indexmem_recent, o.indexmem_stat == "max", o.indexmem_pre_evict);
 }
 
 }  // namespace kvbound::policies
