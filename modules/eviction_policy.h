@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -72,8 +73,10 @@ struct PolicyOptions {
   std::int64_t indexmem_recent = 8;      // indexmem: most recent tokens always kept
   std::string indexmem_stat = "mean";    // indexmem: running statistic of a key's scores: mean | max
   bool indexmem_pre_evict = true;        // indexmem: evict before the chunk's attention (false: after, like h2o)
-  // "<policy>+mem": the trained latent memory (an export loaded by the command, or a trainer's live memory).
+  // "<policy>+mem": the trained latent memory (an export loaded by the command, or a trainer's live memory);
+  // memory_for[policy] overrides it for that base policy (a memory serves the policy it was trained under).
   std::shared_ptr<const LatentMemory> memory;
+  std::map<std::string, std::shared_ptr<const LatentMemory>> memory_for;
 };
 
 }  // namespace kvbound

@@ -332,8 +332,11 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   std::set<std::string> policies;
   const std::string file = dir / "joint.safetensors";
   ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[indexmem+mem,indexmem] --set indexmem.weights=" + file +
-                                                    " --set memory.weights=" + file, &policies, &err), 0) << err;
+                                                    " --set memory.weights_for=[indexmem=" + file + "]", &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"indexmem+mem", "indexmem"}));
+  EXPECT_NE(test::tiny_eval(*cli, dir / "eval_bad", "--set eval.policies=[h2o+mem] --set memory.weights_for=[h20=" + file + "]",
+                            &policies, &err), 0);
+  EXPECT_NE(err.find("memory.weights_for"), std::string::npos) << err;
 
   // What stage 2 needs is named when it is missing or does not fit.
   const std::pair<std::string, std::string> bad[] = {

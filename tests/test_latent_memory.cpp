@@ -155,6 +155,18 @@ TEST_F(MemPolicy, PlusMemWithoutWeightsFailsNamingMemoryWeights) {
   EXPECT_FALSE(make_policy("h2o", o)->memory());
 }
 
+// memory_for gives a base policy its own memory (the one trained under it); the others keep memory.
+TEST_F(MemPolicy, AMemoryForOnePolicyOverridesTheDefaultForThatPolicyOnly) {
+  PolicyOptions o;
+  const auto own = memory_with_gate_bias(1);
+  o.memory_for["snapkv"] = own;
+  EXPECT_EQ(make_policy("snapkv+mem", o)->memory(), own);
+  EXPECT_THROW(make_policy("h2o+mem", o), Error);  // no default memory
+  o.memory = memory_with_gate_bias(0);
+  EXPECT_EQ(make_policy("h2o+mem", o)->memory(), o.memory);
+  EXPECT_EQ(make_policy("snapkv+mem", o)->memory(), own);
+}
+
 TEST_F(MemPolicy, ClosedGateEqualsTheBasePolicyAndAnOpenOneChangesIt) {
   const at::Tensor h2o = run("h2o", 8, 5, 33, nullptr);
   EXPECT_TRUE(at::equal(run("h2o+mem", 8, 5, 33, memory_with_gate_bias(-1e4)), h2o));

@@ -3,6 +3,7 @@
 // prints the Markdown table.
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
@@ -43,7 +44,9 @@ ConfigSchema eval_schema() {
       .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth")
       .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)")
       .add("indexmem.weights", ConfigType::String, "\"\"", "indexmem: indexer file from `kvbound export` (required by policy indexmem)")
-      .add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)");
+      .add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)")
+      .add("memory.weights_for", ConfigType::StringList, "[]",
+           "POLICY=FILE entries: POLICY+mem uses FILE (the memory trained under POLICY) instead of memory.weights");
   add_policy_keys(s);
   return s;
 }
@@ -107,6 +110,16 @@ int cmd_eval(int argc, char** argv) {
   if (!indexer_path.empty()) settings.policy_options.indexer = load_indexer(indexer_path, model->config());
   const std::string memory_path = config.get_string("memory.weights");
   if (!memory_path.empty()) settings.policy_options.memory = load_memory(memory_path, model->config());
+  std::string memory_for;
+  for (const std::string& entry : config.get_string_list("memory.weights_for")) {
+    const auto eq = entry.find('=');
+    const std::string policy = entry.substr(0, eq);
+    const std::vector<std::string> known = policy_names();
+    if (eq == std::string::npos || eq + 1 == entry.size() || std::find(known.begin(), known.end(), policy) == known.end())
+      fail("config", "memory.weights_for", "'" + entry + "' is not POLICY=FILE with a known base policy");
+    settings.policy_options.memory_for[policy] = load_memory(entry.substr(eq + 1), model->config());
+    memory_for += (memory_for.empty() ? "" : ", ") + entry;
+  }
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");
@@ -121,6 +134,7 @@ int cmd_eval(int argc, char** argv) {
   if (!gates_path.empty()) results.meta["trimkv_gates"] = gates_path;
   if (!indexer_path.empty()) results.meta["indexmem_weights"] = indexer_path;
   if (!memory_path.empty()) results.meta["memory_weights"] = memory_path;
+  if (!memory_for.empty()) results.meta["memory_weights_for"] = memory_for;
   write_results_json(results, out_dir + "/results.json");
   const std::string table = results_markdown(results);
   write_file_atomic(out_dir + "/results.md", table);

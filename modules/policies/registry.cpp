@@ -33,10 +33,14 @@ std::unique_ptr<EvictionPolicy> make_policy(const std::string& name, const Polic
   // "<policy>+mem" is the base policy carrying the latent memory: the engine's hook, not the scores, uses it.
   const std::string suffix = "+mem";
   if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    if (!options.memory)
-      fail("config", "memory.weights", "policy " + name + " needs trained latent memory weights (set memory.weights)");
-    auto policy = make_policy(name.substr(0, name.size() - suffix.size()), options);
-    policy->attach_memory(options.memory);
+    const std::string base = name.substr(0, name.size() - suffix.size());
+    const auto own = options.memory_for.find(base);
+    const std::shared_ptr<const LatentMemory>& memory = own != options.memory_for.end() ? own->second : options.memory;
+    if (!memory)
+      fail("config", "memory.weights",
+           "policy " + name + " needs trained latent memory weights (set memory.weights or memory.weights_for)");
+    auto policy = make_policy(base, options);
+    policy->attach_memory(memory);
     return policy;
   }
   const auto it = registry().find(name);
