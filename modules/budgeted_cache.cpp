@@ -58,7 +58,13 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   auto& peak = layer_peak_bytes_[static_cast<std::size_t>(layer)];
   peak = std::max(peak, bytes);
 
-  if (!policy_.bounded() || policy_.pre_evicts() || entries <= budget_ + buffer_) return;
+  if (!policy_.bounded() || entries <= budget_ + buffer_) return;
+  // A hook wrapping this cache must forward before_attention too, or a pre-evicting policy would never cut.
+  if (policy_.pre_evicts()) {
+    TORCH_CHECK(entries - call.q.size(2) <= budget_ + buffer_,
+                "pre-evicting policy: the cache was not cut before attention (a wrapping hook must forward before_attention)");
+    return;
+  }
   cut(view, cache);
 }
 

@@ -23,7 +23,7 @@ class LatentMemory;
 struct PolicyView {
   std::int64_t layer = 0;
   const AttentionCall* call = nullptr;  // the chunk: q/k/v [B, H, T, D] (post-RoPE), positions [T]
-  const KVCache* cache = nullptr;       // now holding the older entries followed by the chunk
+  const KVCache* cache = nullptr;       // the older entries followed by the chunk (before attention: older only)
   // Attention probabilities of the chunk's queries over the cache entries, [B, Hkv, G, T, N]
   // (G = query heads per KV head); defined only for policies whose needs_attention() is true.
   at::Tensor probs;

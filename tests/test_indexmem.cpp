@@ -284,7 +284,8 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
 }
 
 // Stage 2 from stage 1's run folder (train.init_from): the memory under the frozen indexer, then jointly
-// with it (L_KL + lambda_mse · L_MSE); both export, and the joint file serves as indexer and memory in eval.
+// with it (L_KL + lambda_mse · L_MSE, resumable bit for bit); both export, and the joint file serves as
+// indexer and memory in eval.
 TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   const auto cli = test::stories260k_cli();
   if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
@@ -321,6 +322,14 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
     EXPECT_GT(j["mse"].get<double>(), 0.0) << j.dump();
     EXPECT_NEAR(j["loss"].get<double>(), j["kl"].get<double>() + 0.5 * j["mse"].get<double>(), 1e-6) << j.dump();
   }
+  // Stopped after one update and resumed: the same indexer, memory and AdamW moments, bit for bit.
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint_resumed", "  joint: true\n") + " --stop-after 1", &out, &err), 0) << err;
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint_resumed", "  joint: true\n") + " --resume", &out, &err), 0) << err;
+  const auto straight = read_safetensors(latest_checkpoint_path(dir / "joint"));
+  const auto resumed = read_safetensors(latest_checkpoint_path(dir / "joint_resumed"));
+  ASSERT_EQ(straight.tensors.size(), resumed.tensors.size());
+  for (const auto& [name, t] : straight.tensors) EXPECT_TRUE(at::equal(resumed.tensors.at(name), t)) << name;
+
   ASSERT_EQ(test::run_kvbound("export " + (dir / "joint") + " --out " + (dir / "joint.safetensors"), &out, &err), 0) << err;
   const auto joint = read_safetensors(dir / "joint.safetensors");
   EXPECT_EQ(joint.tensors.size(), 5u * 4u + 5u * 5u);  // indexer and memory
@@ -338,11 +347,26 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
                             &policies, &err), 0);
   EXPECT_NE(err.find("memory.weights_for"), std::string::npos) << err;
 
+  // A memory serves the policy it was trained under.
+  EXPECT_NE(test::tiny_eval(*cli, dir / "eval_other", "--set eval.policies=[h2o+mem] --set memory.weights_for=[h2o=" +
+                                                         (dir / "frozen.safetensors") + "]", &policies, &err), 0);
+  EXPECT_NE(err.find("memory.weights_for: " + (dir / "frozen.safetensors") + ": memory_policy"), std::string::npos) << err;
+
+  // Resuming under other stage-1 weights than the run started from is refused.
+  const std::string stage1_file = dir / "stage1.safetensors";
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "stage1") + " --out " + stage1_file, &out, &err), 0) << err;
+  const std::string moved = stage2_yaml("moved", "") + " --set train.init_from=" + stage1_file;
+  ASSERT_EQ(test::run_kvbound(moved + " --stop-after 1", &out, &err), 0) << err;
+  fs::copy_file(file, stage1_file, fs::copy_options::overwrite_existing);  // another indexer (the joint one)
+  EXPECT_NE(test::run_kvbound(moved + " --resume", &out, &err), 0);
+  EXPECT_NE(err.find("train.init_from: init_from_config_hash is now"), std::string::npos) << err;
+
   // What stage 2 needs is named when it is missing or does not fit.
   const std::pair<std::string, std::string> bad[] = {
       {"--set train.init_from=", "train.init_from"},  // a learned base policy without stage 1
       {"--set memory.policy=h2o --set memory.joint=true --set train.init_from=", "memory.joint"},
-      {"--set train.method=indexmem", "train.init_from"}};  // init_from is stage 2's
+      {"--set train.method=indexmem", "train.init_from"},  // init_from is stage 2's
+      {"--set train.init_from=" + (dir / "nope"), "train.init_from: " + (dir / "nope")}};
   for (const auto& [sets, key] : bad) {
     EXPECT_NE(test::run_kvbound(stage2_yaml("bad", "") + " " + sets, &out, &err), 0) << sets;
     EXPECT_NE(err.find(key), std::string::npos) << sets << ": " << err;

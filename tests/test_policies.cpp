@@ -28,14 +28,19 @@ namespace {
 
 using test::tiny_model;
 
-// Checks the invariants after every layer's eviction (the peak, M + C, is checked via peak_entries).
+// Checks the invariants after every layer's eviction (the peak, M + C, is checked via peak_entries): the
+// cache is back to M after every chunk, or for a pre-evicting policy before every chunk (M + chunk after it).
 struct InvariantCheck : AttentionHook {
   BudgetedCache* inner;
   std::int64_t budget, chunk;
-  bool bounded;
+  bool bounded, pre_evicts;
+  void before_attention(AttentionCall& call, KVCache& cache) override {
+    inner->before_attention(call, cache);
+    if (bounded) EXPECT_LE(cache.size(call.layer), budget);
+  }
   void after_attention(AttentionCall& call, KVCache& cache) override {
     inner->after_attention(call, cache);
-    if (bounded) EXPECT_LE(cache.size(call.layer), budget);  // cut back to M after every chunk
+    if (bounded) EXPECT_LE(cache.size(call.layer), budget + (pre_evicts ? call.q.size(2) : 0));
     const at::Tensor pos = cache.positions(call.layer);
     if (pos.size(-1) > 1) EXPECT_TRUE((pos.narrow(-1, 1, pos.size(-1) - 1) > pos.narrow(-1, 0, pos.size(-1) - 1)).all().item<bool>());
   }
@@ -58,6 +63,7 @@ at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t
   check.budget = budget;
   check.chunk = chunk;
   check.bounded = policy->bounded();
+  check.pre_evicts = policy->pre_evicts();
   KVCache cache = f.model->make_cache();
   std::vector<at::Tensor> out;
   const std::int64_t T = f.tokens.size(1);

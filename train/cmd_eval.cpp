@@ -105,11 +105,11 @@ int cmd_eval(int argc, char** argv) {
   const auto& model = loaded.model;
   // Learned weights are checked against this backbone here, before any evaluation work.
   const std::string gates_path = config.get_string("trimkv.gates");
-  if (!gates_path.empty()) settings.policy_options.trimkv_gates = load_gates(gates_path, model->config());
+  if (!gates_path.empty()) settings.policy_options.trimkv_gates = load_gates(gates_path, model->config(), "trimkv.gates");
   const std::string indexer_path = config.get_string("indexmem.weights");
-  if (!indexer_path.empty()) settings.policy_options.indexer = load_indexer(indexer_path, model->config());
+  if (!indexer_path.empty()) settings.policy_options.indexer = load_indexer(indexer_path, model->config(), "indexmem.weights");
   const std::string memory_path = config.get_string("memory.weights");
-  if (!memory_path.empty()) settings.policy_options.memory = load_memory(memory_path, model->config());
+  if (!memory_path.empty()) settings.policy_options.memory = load_memory(memory_path, model->config(), "memory.weights");
   std::string memory_for;
   for (const std::string& entry : config.get_string_list("memory.weights_for")) {
     const auto eq = entry.find('=');
@@ -117,7 +117,7 @@ int cmd_eval(int argc, char** argv) {
     const std::vector<std::string> known = policy_names();
     if (eq == std::string::npos || eq + 1 == entry.size() || std::find(known.begin(), known.end(), policy) == known.end())
       fail("config", "memory.weights_for", "'" + entry + "' is not POLICY=FILE with a known base policy");
-    settings.policy_options.memory_for[policy] = load_memory(entry.substr(eq + 1), model->config());
+    settings.policy_options.memory_for[policy] = load_memory(entry.substr(eq + 1), model->config(), "memory.weights_for", policy);
     memory_for += (memory_for.empty() ? "" : ", ") + entry;
   }
 

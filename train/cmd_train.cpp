@@ -110,6 +110,8 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
   const std::string method = c.get_string("train.method");
   if (method != "memory" && !c.get_string("train.init_from").empty())
     fail("config", "train.init_from", "only train.method memory starts from a stage-1 run (got method '" + method + "')");
+  if (method != "memory" && c.get_bool("memory.joint"))
+    fail("config", "memory.joint", "only train.method memory trains a memory (got method '" + method + "')");
   if (method == "trimkv") {
     TrimKVSettings t;
     t.gate.hidden = c.get_int("trimkv.gate_hidden");
@@ -154,17 +156,24 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
                                     ? run_weights_path(init_from, std::filesystem::exists(init_from + "/best.safetensors"),
                                                        "train.init_from")
                                     : init_from;
-    if (m.policy == "trimkv") m.policy_options.trimkv_gates = load_gates(weights, model.config());
+    if (learned) {
+      const auto meta = read_weights(weights, "train.init_from").metadata;
+      m.base_weights = {{"init_from", weights},
+                        {"init_from_step", meta.count("step") ? meta.at("step") : ""},
+                        {"init_from_config_hash", meta.count("config_hash") ? meta.at("config_hash") : ""}};
+    }
+    if (m.policy == "trimkv") m.policy_options.trimkv_gates = load_gates(weights, model.config(), "train.init_from");
     if (m.policy != "indexmem") return std::make_unique<MemoryMethod>(model, m, seed_of(c));
 
-    const std::shared_ptr<const Indexer> stage1 = load_indexer(weights, model.config());
+    const std::shared_ptr<const Indexer> stage1 = load_indexer(weights, model.config(), "train.init_from");
     if (!joint) {
       m.policy_options.indexer = stage1;
       return std::make_unique<MemoryMethod>(model, m, seed_of(c));
     }
-    // Joint: the stage-1 indexer keeps training (its own settings; the KL target from this config's indexmem.*).
+    // Joint: the stage-1 indexer (its own settings; the KL target from this config's indexmem.*) becomes the
+    // trainable one. The copy shares stage1's tensors, which nothing else holds: making them leaves is enough.
     auto indexer = std::make_shared<Indexer>(*stage1);
-    for (at::Tensor& p : indexer->parameters()) p.set_requires_grad(true);  // the handles share the leaves
+    for (at::Tensor& p : indexer->parameters()) p.set_requires_grad(true);
     auto kl = std::make_unique<IndexMemIndexerMethod>(model, indexmem_settings(c, indexer->settings()), indexer);
     m.policy_options.indexer = indexer;
     return std::make_unique<JointMethod>(std::move(kl), std::make_unique<MemoryMethod>(model, m, seed_of(c)),

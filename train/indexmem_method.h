@@ -32,7 +32,6 @@ class IndexMemIndexerMethod final : public TrainingMethod {
   std::unique_ptr<EvictionPolicy> eval_policy() const override;
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "kl_per_layer"; }
-  const std::shared_ptr<Indexer>& indexer() const { return indexer_; }
 
  private:
   const Backbone& model_;

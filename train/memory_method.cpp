@@ -148,7 +148,8 @@ std::map<std::string, std::string> MemoryMethod::metadata() const {
   const ModelConfig& c = model_.config();
   std::string budgets;
   for (std::int64_t b : settings_.budgets) budgets += (budgets.empty() ? "" : ",") + std::to_string(b);
-  return {{"method", "memory"},
+  std::map<std::string, std::string> m = settings_.base_weights;
+  m.insert({{"method", "memory"},
           {"stage", "memory"},
           {"backbone", model_.source()},
           {"architecture", c.architecture},
@@ -158,7 +159,8 @@ std::map<std::string, std::string> MemoryMethod::metadata() const {
           {"d_memory", std::to_string(memory_->dim())},
           {"memory_policy", settings_.policy},
           {"memory_budgets", budgets},
-          {"memory_chunk", std::to_string(settings_.chunk)}};
+          {"memory_chunk", std::to_string(settings_.chunk)}});
+  return m;
 }
 
 }  // namespace kvbound

@@ -21,6 +21,8 @@ struct MemorySettings {
   std::vector<std::int64_t> budgets{16, 32};  // replayed budgets M (a memory trained at one M hurt at 4x that)
   std::int64_t chunk = 16;                    // replay chunk, like the engine's prefill chunk
   PolicyOptions policy_options;               // the base policy's settings (recent window, ...)
+  // A learned base policy's weights: init_from (the file), init_from_step, init_from_config_hash (metadata).
+  std::map<std::string, std::string> base_weights;
 };
 
 class MemoryMethod final : public TrainingMethod {

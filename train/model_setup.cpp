@@ -62,23 +62,50 @@ PolicyOptions configured_policy_options(const Config& c) {
   o.indexmem_stat = c.get_string("indexmem.stat");
   o.indexmem_pre_evict = c.get_bool("indexmem.pre_evict");
   if (o.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
-  if (o.indexmem_stat != "mean" && o.indexmem_stat != "max")
-    fail("config", "indexmem.stat", "'" + o.indexmem_stat + "' (mean, max)");
   return o;
 }
 
-std::shared_ptr<const RetentionGates> load_gates(const std::string& path, const ModelConfig& config) {
-  return std::make_shared<const RetentionGates>(RetentionGates::from_tensors(read_safetensors(path).tensors, config, path));
+namespace {
+
+// Runs `load`, naming the config key that pointed at the file in front of its error.
+template <class Load>
+auto under_key(const std::string& key, Load&& load) {
+  try {
+    return load();
+  } catch (const Error& e) {
+    throw Error(key + ": " + e.what());
+  }
 }
 
-std::shared_ptr<const Indexer> load_indexer(const std::string& path, const ModelConfig& config) {
-  const SafetensorsFile file = read_safetensors(path);
-  return std::make_shared<const Indexer>(
-      Indexer::from_tensors(file.tensors, config, indexer_settings(file.metadata, path), path));
+}  // namespace
+
+SafetensorsFile read_weights(const std::string& path, const std::string& key) {
+  return under_key(key, [&] { return read_safetensors(path); });
 }
 
-std::shared_ptr<const LatentMemory> load_memory(const std::string& path, const ModelConfig& config) {
-  return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(read_safetensors(path).tensors, config, path));
+std::shared_ptr<const RetentionGates> load_gates(const std::string& path, const ModelConfig& config, const std::string& key) {
+  return under_key(key, [&] {
+    return std::make_shared<const RetentionGates>(RetentionGates::from_tensors(read_safetensors(path).tensors, config, path));
+  });
+}
+
+std::shared_ptr<const Indexer> load_indexer(const std::string& path, const ModelConfig& config, const std::string& key) {
+  return under_key(key, [&] {
+    const SafetensorsFile file = read_safetensors(path);
+    return std::make_shared<const Indexer>(
+        Indexer::from_tensors(file.tensors, config, indexer_settings(file.metadata, path), path));
+  });
+}
+
+std::shared_ptr<const LatentMemory> load_memory(const std::string& path, const ModelConfig& config, const std::string& key,
+                                                const std::string& serves) {
+  return under_key(key, [&] {
+    const SafetensorsFile file = read_safetensors(path);
+    const auto trained_under = file.metadata.find("memory_policy");
+    if (!serves.empty() && trained_under != file.metadata.end() && trained_under->second != serves)
+      fail(path, "memory_policy", "this memory was trained under '" + trained_under->second + "', not '" + serves + "'");
+    return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(file.tensors, config, path));
+  });
 }
 
 }  // namespace kvbound

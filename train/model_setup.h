@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "checkpoints/safetensors_io.h"
 #include "data/tokenizer.h"
 #include "modules/backbone.h"
 #include "modules/eviction_policy.h"
@@ -29,11 +30,14 @@ void add_policy_keys(ConfigSchema& schema);
 // PolicyOptions from those keys (kvbound::Error naming the key for a bad value); other fields default.
 PolicyOptions configured_policy_options(const Config& config);
 
-// Trained modules from a safetensors file (an export, or a run checkpoint: extra tensors are ignored),
-// checked against the backbone; kvbound::Error naming the file and tensor otherwise. The indexer's settings
-// (d_I, key heads, rope, relu) come from the file's metadata.
-std::shared_ptr<const RetentionGates> load_gates(const std::string& path, const ModelConfig& config);
-std::shared_ptr<const Indexer> load_indexer(const std::string& path, const ModelConfig& config);
-std::shared_ptr<const LatentMemory> load_memory(const std::string& path, const ModelConfig& config);
+// Trained modules from a safetensors file (an export, or a run checkpoint: extra tensors are ignored) that
+// config key `key` named, checked against the backbone; a kvbound::Error names the key, the file and the
+// tensor otherwise. The indexer's settings (d_I, key heads, rope, relu) come from the file's metadata; a
+// memory trained under another policy than `serves` (when given) is refused.
+SafetensorsFile read_weights(const std::string& path, const std::string& key);
+std::shared_ptr<const RetentionGates> load_gates(const std::string& path, const ModelConfig& config, const std::string& key);
+std::shared_ptr<const Indexer> load_indexer(const std::string& path, const ModelConfig& config, const std::string& key);
+std::shared_ptr<const LatentMemory> load_memory(const std::string& path, const ModelConfig& config, const std::string& key,
+                                                const std::string& serves = "");
 
 }  // namespace kvbound

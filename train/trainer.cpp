@@ -88,6 +88,16 @@ TrainSummary train(const Backbone& model, TrainingMethod& method, const Training
     const RunCheckpoint ck = load_latest_checkpoint(s.run_dir);
     last_good = latest_checkpoint_path(s.run_dir);
     if (ck.method != method.name()) fail(last_good, "__metadata__.method", "'" + ck.method + "' but this run trains " + method.name());
+    // Weights the run started from (train.init_from) are part of its identity: a stage-1 run that moved on
+    // since (a newer best.safetensors) would change the policy the rest of the run replays.
+    for (const auto& [key, value] : method.metadata()) {
+      if (key.rfind("init_from", 0) != 0) continue;
+      const auto saved = ck.extra.find(key);
+      const std::string was = saved == ck.extra.end() ? "(none)" : saved->second;
+      if (was != value)
+        fail(last_good, "train.init_from", key + " is now '" + value + "' but the run started from '" + was +
+                                               "'; resume needs the same stage-1 weights");
+    }
     {
       const at::NoGradGuard no_grad;
       for (std::size_t i = 0; i < names.size(); ++i) {

@@ -108,7 +108,6 @@ std::unique_ptr<EvictionPolicy> make_indexmem(const PolicyOptions& o) {
   if (!o.indexer) fail("config", "indexmem.weights", "policy indexmem needs an indexer file (kvbound export RUN_DIR --out FILE)");
   if (o.indexmem_stat != "mean" && o.indexmem_stat != "max")
     fail("config", "indexmem.stat", "'" + o.indexmem_stat + "' (mean, max)");
-  if (o.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
   return std::make_unique<IndexMem>(o.indexer, o.indexmem_recent, o.indexmem_stat == "max", o.indexmem_pre_evict);
 }
 
