@@ -1,4 +1,5 @@
-// Reads what tests/golden/golden_io.py writes: NAME.f32 (raw float32) + NAME.json (shape, input_ids, ...).
+// Reads what tests/golden/golden_io.py writes: NAME.f32 (raw float32) + NAME.json (shape, input_ids, ...),
+// and the training batch the loss goldens (make_trimkv_golden.py, make_indexmem_golden.py) store.
 #pragma once
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
@@ -8,7 +9,20 @@
 #include <stdexcept>
 #include <string>
 
+#include "checkpoints/safetensors_io.h"
+#include "train/train_data.h"
+
 namespace kvbound::test {
+
+// The batch of a loss golden: "inputs", "targets", "weights" tensors of its golden.safetensors.
+inline Batch golden_batch(const SafetensorsFile& g) {
+  Batch b;
+  b.inputs = g.tensors.at("inputs").to(at::kLong);
+  b.targets = g.tensors.at("targets").to(at::kLong);
+  b.weights = g.tensors.at("weights");
+  b.tokens = static_cast<std::int64_t>(b.weights.sum().item<double>());
+  return b;
+}
 
 struct Golden {
   nlohmann::json meta;

@@ -17,21 +17,13 @@
 #include "checkpoints/safetensors_io.h"
 #include "modules/backbone.h"
 #include "ops/pooled_window.h"
+#include "golden_reader.h"
 #include "test_env.h"
 #include "train/indexmem_method.h"
 #include "train/memory_method.h"
 
 namespace kvbound {
 namespace {
-
-Batch golden_batch(const SafetensorsFile& g) {
-  Batch b;
-  b.inputs = g.tensors.at("inputs").to(at::kLong);
-  b.targets = g.tensors.at("targets").to(at::kLong);
-  b.weights = g.tensors.at("weights");
-  b.tokens = static_cast<std::int64_t>(b.weights.sum().item<double>());
-  return b;
-}
 
 double meta_double(const SafetensorsFile& g, const std::string& key) { return std::stod(g.metadata.at(key)); }
 std::int64_t meta_int(const SafetensorsFile& g, const std::string& key) { return std::stoll(g.metadata.at(key)); }
@@ -73,7 +65,7 @@ TEST(IndexMemGolden, IndexerKLEqualsThePythonFormulas) {
   const auto model = Backbone::load(dir, at::kFloat);
   const SafetensorsFile golden = read_safetensors(dir + "/golden.safetensors");
   const SafetensorsFile weights = read_safetensors(dir + "/indexer.safetensors");
-  const Batch batch = golden_batch(golden);
+  const Batch batch = test::golden_batch(golden);
   const std::int64_t settings = meta_int(golden, "kl_settings");
   ASSERT_GE(settings, 1);
   for (std::int64_t i = 0; i < settings; ++i) {
@@ -120,7 +112,7 @@ TEST(IndexMemGolden, MemoryMSEEqualsThePythonFormulas) {
   s.policy_options.sinks = meta_int(golden, "sinks");
   MemoryMethod method(*model, s, 0);
   load_parameters(method.named_parameters(), weights);
-  const StepLoss loss = method.loss(golden_batch(golden));
+  const StepLoss loss = method.loss(test::golden_batch(golden));
   std::ostringstream report;
   report << "L_MSE: |Δ| total " << expect_value(loss.total.item<double>(), meta_double(golden, "mse.total"), "total");
   ASSERT_EQ(loss.per_layer.size(), static_cast<std::size_t>(model->config().num_layers));

@@ -19,6 +19,7 @@
 #include "modules/backbone.h"
 #include "modules/retention_gate.h"
 #include "ops/retention_sum.h"
+#include "golden_reader.h"
 #include "test_env.h"
 #include "tiny_cli_runs.h"
 #include "train/optimizer.h"
@@ -29,15 +30,6 @@ namespace kvbound {
 namespace {
 
 namespace fs = std::filesystem;
-
-Batch golden_batch(const SafetensorsFile& g) {
-  Batch b;
-  b.inputs = g.tensors.at("inputs").to(at::kLong);
-  b.targets = g.tensors.at("targets").to(at::kLong);
-  b.weights = g.tensors.at("weights");
-  b.tokens = static_cast<std::int64_t>(b.weights.sum().item<double>());
-  return b;
-}
 
 TEST(TrimKVLoss, TermsAndGateGradientsEqualThePythonFormulas) {
   const std::string dir = test::test_data("trimkv");
@@ -54,7 +46,7 @@ TEST(TrimKVLoss, TermsAndGateGradientsEqualThePythonFormulas) {
     const at::NoGradGuard no_grad;
     for (auto& [name, p] : method.named_parameters()) p.copy_(gates.tensors.at(name));
   }
-  const StepLoss loss = method.loss(golden_batch(golden));
+  const StepLoss loss = method.loss(test::golden_batch(golden));
   for (const auto& [name, value] : loss.terms)
     EXPECT_NEAR(value.item<double>(), std::stod(golden.metadata.at(name)), 1e-5) << name;
   EXPECT_NEAR(loss.total.item<double>(), std::stod(golden.metadata.at("total")), 1e-5);

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from golden_io import tiny_random_llama
 
 # Stage 1: the indexer (key_heads kv, rope on, relu off) and the (pool, window, min_gap) settings.
 D_INDEX = 8
@@ -212,18 +212,8 @@ def memory_mse(layers, weights, mem, cfg):
 
 def main(out_dir):
     torch.manual_seed(2025)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-5,
-                         rope_theta=ROPE_THETA, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-                         hidden_act="silu")
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    model = model.double()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = tiny_random_llama(out_dir, head_dim=8, rope_theta=ROPE_THETA)
+    config = model.config
     Hq, Hkv, D, hidden = 8, 2, 8, 32
 
     # The batch: rows 0 and 2 end their documents (last position: no target, weight 0), so they share a real

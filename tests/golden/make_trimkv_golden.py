@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from golden_io import tiny_random_llama
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 H_GATE, BUDGET, W_KL, W_NTP, LAMBDA_CAP = 16, 8, 0.5, 0.5, 1.0
@@ -63,17 +63,8 @@ def capacity(log_betas, w):
 
 def main(out_dir):
     torch.manual_seed(2024)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=4, max_position_embeddings=256, rms_norm_eps=1e-5,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, hidden_act="silu")
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    model = model.double()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = tiny_random_llama(out_dir, head_dim=4)
+    config = model.config
 
     gates = {}
     for li in range(config.num_hidden_layers):
