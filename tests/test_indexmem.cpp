@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/pow.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/randn.h>
@@ -206,16 +207,18 @@ struct ScoreProbe : AttentionHook {
   }
 };
 
-// With nothing evicted, each key's statistic is the mean (or max) of I_g[s,t] over every query s >= t, the
-// chunks' split (before/after attention) notwithstanding: computed here from whole-sequence indexer scores.
+// With nothing evicted, each key's statistic is the mean (plain, or decayed by a^(age) with a = 1 − 1/H) or
+// the max of I_g[s,t] over every query s >= t, the chunks' split (before/after attention) notwithstanding:
+// computed here from whole-sequence indexer scores.
 TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const at::NoGradGuard no_grad;
   const test::TinyModel& f = tiny_model();
   for (const bool pre_evict : {true, false}) {
-    for (const std::string stat : {"mean", "max"}) {
+    for (const std::string stat : {"mean", "max", "decayed"}) {
       SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
-      const PolicyOptions o = indexmem_options(0, stat, pre_evict);
+      PolicyOptions o = indexmem_options(0, stat == "max" ? "max" : "mean", pre_evict);
+      o.indexmem_horizon = stat == "decayed" ? 5 : 0;
       auto policy = make_policy("indexmem", o);
       ScoreProbe probe;
       probe.policy = policy.get();
@@ -233,9 +236,11 @@ TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
       const at::Tensor I = ix.score(ix.query(0, q, pos), ix.head_weights(0, x), ix.key(0, x, pos).expand({-1, hkv, -1, -1}))
                                .to(at::kDouble);  // [1, Hkv, S, T]
       const at::Tensor later = (pos.view({-1, 1}) >= pos.view({1, -1})).view({1, 1, 24, 24});
+      const double a = stat == "decayed" ? 1.0 - 1.0 / 5 : 1.0;
+      const at::Tensor w = later.to(at::kDouble) * at::pow(a, at::arange(23, -1, -1, at::kDouble)).view({1, 1, 24, 1});
       const at::Tensor want = stat == "max"
                                   ? I.masked_fill(later.logical_not(), -std::numeric_limits<double>::infinity()).amax(2)
-                                  : I.masked_fill(later.logical_not(), 0).sum(2) / later.sum(2);
+                                  : (I * w).sum(2) / w.sum(2);
       EXPECT_TRUE(at::allclose(probe.scores, want, 1e-5, 1e-6)) << (probe.scores - want).abs().max();
     }
   }
@@ -300,7 +305,7 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   auto stage2_yaml = [&](const std::string& name, const std::string& memory_keys) {
     std::ofstream(dir / (name + ".yaml")) << test::tiny_train_yaml(
         *cli, "  method: memory\n  steps: 2\n  init_from: " + (dir / "stage1") + "\n",
-        indexer_keys + "  lambda_mse: 0.5\nmemory:\n  dim: 8\n  policy: indexmem\n  budgets: [8, 12]\n  chunk: 4\n" +
+        indexer_keys + "  lambda_mse: 0.5\n  lr: 1.0e-3\nmemory:\n  dim: 8\n  policy: indexmem\n  budgets: [8, 12]\n  chunk: 4\n" +
             memory_keys + "run:\n  out_dir: " + (dir / name) + "\n");
     return "train " + (dir / (name + ".yaml"));
   };
@@ -335,6 +340,7 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   EXPECT_EQ(joint.tensors.size(), 5u * 4u + 5u * 5u);  // indexer and memory
   EXPECT_EQ(joint.metadata.at("method"), "joint");
   EXPECT_EQ(joint.metadata.at("d_index"), "8");
+  EXPECT_DOUBLE_EQ(std::stod(joint.metadata.at("indexer_lr_scale")), 0.5);  // indexmem.lr 1e-3 / train.lr 2e-3
   const std::string wk = "model.layers.0.self_attn.indexer.wk";
   EXPECT_FALSE(at::equal(joint.tensors.at(wk), stage1.tensors.at(wk))) << "the joint stage did not train the indexer";
 

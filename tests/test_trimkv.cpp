@@ -132,6 +132,17 @@ TEST(AdamWUpdate, FirstStepMovesEachWeightByTheLearningRate) {
   EXPECT_EQ(opt.steps(), 1);
 }
 
+TEST(AdamWUpdate, EachParameterMovesByItsOwnLearningRateScale) {
+  // The joint IndexMem stage: the indexer at a fraction of the memory's rate, both in the same step.
+  at::Tensor fast = at::full({3}, 1.0).set_requires_grad(true), slow = at::full({3}, 1.0).set_requires_grad(true);
+  AdamW opt({fast, slow}, AdamWSettings{0.9, 0.999, 1e-12, 0.0}, {1.0, 0.2});
+  fast.mutable_grad() = at::full({3}, 3.0);
+  slow.mutable_grad() = at::full({3}, 3.0);
+  opt.step(0.1);
+  EXPECT_NEAR(fast[0].item<double>(), 0.9, 1e-6);
+  EXPECT_NEAR(slow[0].item<double>(), 0.98, 1e-6);
+}
+
 TEST(TrainingRows, RowsStartWithBosStayInOneDocumentAndShiftTargets) {
   const std::string tok = test::shared_data("stories260K/tok512.bin");
   KVBOUND_REQUIRE_FILE(tok);

@@ -40,8 +40,8 @@ int cmd_export(int argc, char** argv) {
   // Identity and settings pass through; run bookkeeping (data position, format of the checkpoint) does not.
   for (const char* key : {"method", "backbone", "architecture", "num_layers", "hidden_size", "num_kv_heads",
                           "retention_gate_intermediate_size", "retention_gate_bias_init", "hidden_act", "budget",
-                          "stage", "d_index", "key_heads", "rope", "relu", "pool", "window", "min_gap", "recent", "stat", "pre_evict",
-                          "lambda_mse", "init_from", "init_from_step", "init_from_config_hash",
+                          "stage", "d_index", "key_heads", "rope", "relu", "pool", "window", "min_gap", "recent", "stat", "horizon", "pre_evict",
+                          "lambda_mse", "indexer_lr_scale", "init_from", "init_from_step", "init_from_config_hash",
                           "d_memory", "memory_policy", "memory_budgets", "memory_chunk",
                           "config_hash", "step", "eval_kl", "eval_budget"})
     if (file.metadata.count(key)) meta[key] = file.metadata.at(key);

@@ -70,6 +70,7 @@ ConfigSchema train_schema() {
       .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
       .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap")
       .add("indexmem.lambda_mse", ConfigType::Float, "1.0", "memory.joint: weight of L_MSE in L_KL + lambda_mse * L_MSE")
+      .add("indexmem.lr", ConfigType::Float, "2e-3", "memory.joint: the indexer's peak learning rate (train.lr: the memory's)")
       .add("memory.dim", ConfigType::Int, "16", "latent memory size d_m (16..64)")
       .add("memory.policy", ConfigType::String, "h2o", "base eviction policy the memory is trained (and evaluated) with")
       .add("memory.budgets", ConfigType::IntList, "[16, 32]", "budgets M whose evictions are replayed (loss averaged)")
@@ -177,7 +178,7 @@ std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& mod
     auto kl = std::make_unique<IndexMemIndexerMethod>(model, indexmem_settings(c, indexer->settings()), indexer);
     m.policy_options.indexer = indexer;
     return std::make_unique<JointMethod>(std::move(kl), std::make_unique<MemoryMethod>(model, m, seed_of(c)),
-                                         c.get_float("indexmem.lambda_mse"));
+                                         c.get_float("indexmem.lambda_mse"), c.get_float("indexmem.lr") / c.get_float("train.lr"));
   }
   fail("config", "train.method", "'" + method + "' (trimkv, indexmem, memory)");
 }

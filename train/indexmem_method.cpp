@@ -116,6 +116,7 @@ std::map<std::string, std::string> IndexMemIndexerMethod::metadata() const {
             {"min_gap", std::to_string(settings_.min_gap)},
             {"recent", std::to_string(settings_.policy_options.indexmem_recent)},
             {"stat", settings_.policy_options.indexmem_stat},
+            {"horizon", std::to_string(settings_.policy_options.indexmem_horizon)},
             {"pre_evict", settings_.policy_options.indexmem_pre_evict ? "true" : "false"}});
   return m;
 }

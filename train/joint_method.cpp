@@ -5,9 +5,14 @@
 namespace kvbound {
 
 JointMethod::JointMethod(std::unique_ptr<IndexMemIndexerMethod> indexer, std::unique_ptr<MemoryMethod> memory,
-                         double lambda_mse)
-    : indexer_(std::move(indexer)), memory_(std::move(memory)), lambda_mse_(lambda_mse) {
+                         double lambda_mse, double indexer_lr_scale)
+    : indexer_(std::move(indexer)), memory_(std::move(memory)), lambda_mse_(lambda_mse), indexer_lr_scale_(indexer_lr_scale) {
   if (!(lambda_mse >= 0)) fail("config", "indexmem.lambda_mse", "must be >= 0");
+  if (!(indexer_lr_scale > 0)) fail("config", "indexmem.lr", "must be > 0");
+}
+
+double JointMethod::lr_scale(const std::string& name) const {
+  return indexer_->named_parameters().count(name) ? indexer_lr_scale_ : 1.0;
 }
 
 std::map<std::string, at::Tensor> JointMethod::named_parameters() const {
@@ -35,6 +40,7 @@ std::map<std::string, std::string> JointMethod::metadata() const {
   m["method"] = "joint";  // ...then name both
   m["stage"] = "joint";
   m["lambda_mse"] = std::to_string(lambda_mse_);
+  m["indexer_lr_scale"] = std::to_string(indexer_lr_scale_);
   return m;
 }
 

@@ -3,7 +3,8 @@
 //   L = L_KL(indexer) + lambda_mse · L_MSE(memory),
 // where the memory's replay evicts with the live indexer (policy indexmem), so the memory always learns
 // what the current indexer throws away. The eviction choice is not differentiable: the indexer's gradient
-// comes from L_KL alone, the memory's from L_MSE alone; the sum shares one optimizer, clip and schedule.
+// comes from L_KL alone, the memory's from L_MSE alone; the sum shares one optimizer, clip and schedule,
+// with the indexer's learning rate scaled (it was trained at a smaller rate than the memory's gate needs).
 #pragma once
 #include <memory>
 
@@ -15,7 +16,8 @@ namespace kvbound {
 class JointMethod final : public TrainingMethod {
  public:
   // `memory` must replay policy indexmem with indexer->indexer() (make it with that in its policy options).
-  JointMethod(std::unique_ptr<IndexMemIndexerMethod> indexer, std::unique_ptr<MemoryMethod> memory, double lambda_mse);
+  JointMethod(std::unique_ptr<IndexMemIndexerMethod> indexer, std::unique_ptr<MemoryMethod> memory, double lambda_mse,
+              double indexer_lr_scale);
 
   std::string name() const override { return "joint"; }
   std::map<std::string, at::Tensor> named_parameters() const override;
@@ -24,11 +26,12 @@ class JointMethod final : public TrainingMethod {
   std::unique_ptr<EvictionPolicy> eval_policy() const override { return memory_->eval_policy(); }
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return memory_->per_layer_name(); }
+  double lr_scale(const std::string& name) const override;
 
  private:
   std::unique_ptr<IndexMemIndexerMethod> indexer_;
   std::unique_ptr<MemoryMethod> memory_;
-  double lambda_mse_;
+  double lambda_mse_, indexer_lr_scale_;
 };
 
 }  // namespace kvbound

@@ -44,6 +44,8 @@ void add_policy_keys(ConfigSchema& s) {
       .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
       .add("indexmem.recent", ConfigType::Int, "8", "indexmem policy: most recent tokens always kept")
       .add("indexmem.stat", ConfigType::String, "mean", "indexmem policy: running statistic of a key's scores: mean | max")
+      .add("indexmem.horizon", ConfigType::Int, "0",
+           "indexmem policy, stat mean: decay older queries' scores by a = 1 - 1/H (0: every query weighs the same)")
       .add("indexmem.pre_evict", ConfigType::Bool, "true",
            "indexmem policy: evict before a chunk's attention (false: after it, like h2o)");
 }
@@ -60,6 +62,7 @@ PolicyOptions configured_policy_options(const Config& c) {
   if (o.snapkv_pool < 1 || o.snapkv_pool % 2 == 0) fail("config", "policy.snapkv_pool", "must be odd and >= 1");
   o.indexmem_recent = c.get_int("indexmem.recent");
   o.indexmem_stat = c.get_string("indexmem.stat");
+  o.indexmem_horizon = c.get_int("indexmem.horizon");
   o.indexmem_pre_evict = c.get_bool("indexmem.pre_evict");
   if (o.indexmem_recent < 0) fail("config", "indexmem.recent", "must be >= 0");
   return o;

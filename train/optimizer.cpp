@@ -6,13 +6,17 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "checkpoints/errors.h"
 
 namespace kvbound {
 
-AdamW::AdamW(std::vector<at::Tensor> params, AdamWSettings settings) : params_(std::move(params)), settings_(settings) {
+AdamW::AdamW(std::vector<at::Tensor> params, AdamWSettings settings, std::vector<double> lr_scales)
+    : params_(std::move(params)), settings_(settings), lr_scales_(std::move(lr_scales)) {
+  if (lr_scales_.empty()) lr_scales_.assign(params_.size(), 1.0);
+  TORCH_CHECK(lr_scales_.size() == params_.size(), "AdamW: ", lr_scales_.size(), " lr scales for ", params_.size(), " parameters");
   for (const at::Tensor& p : params_) {
     exp_avg_.push_back(at::zeros_like(p));
     exp_avg_sq_.push_back(at::zeros_like(p));
@@ -22,22 +26,27 @@ AdamW::AdamW(std::vector<at::Tensor> params, AdamWSettings settings) : params_(s
 
 void AdamW::step(double lr) {
   const at::NoGradGuard no_grad;  // updating leaves in place
-  // Two groups: matrices decay, vectors (biases) do not.
-  for (const bool decayed : {true, false}) {
-    std::vector<at::Tensor> p, g, m, v, s;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if ((params_[i].dim() >= 2) != decayed || !params_[i].grad().defined()) continue;
-      p.push_back(params_[i]);
-      g.push_back(params_[i].grad());
-      m.push_back(exp_avg_[i]);
-      v.push_back(exp_avg_sq_[i]);
-      s.push_back(step_counts_[i]);
+  // One fused call per group: matrices decay, vectors (biases) do not; and per learning-rate scale.
+  std::vector<double> scales = lr_scales_;
+  std::sort(scales.begin(), scales.end());
+  scales.erase(std::unique(scales.begin(), scales.end()), scales.end());
+  for (const double scale : scales) {
+    for (const bool decayed : {true, false}) {
+      std::vector<at::Tensor> p, g, m, v, s;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if ((params_[i].dim() >= 2) != decayed || lr_scales_[i] != scale || !params_[i].grad().defined()) continue;
+        p.push_back(params_[i]);
+        g.push_back(params_[i].grad());
+        m.push_back(exp_avg_[i]);
+        v.push_back(exp_avg_sq_[i]);
+        s.push_back(step_counts_[i]);
+      }
+      if (p.empty()) continue;
+      // The fused kernel reads the step count, it does not advance it (torch.optim increments first too).
+      for (at::Tensor& count : s) count.add_(1);
+      at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr * scale, settings_.beta1, settings_.beta2,
+                        decayed ? settings_.weight_decay : 0.0, settings_.eps, /*amsgrad=*/false, /*maximize=*/false);
     }
-    if (p.empty()) continue;
-    // The fused kernel reads the step count, it does not advance it (torch.optim increments first too).
-    for (at::Tensor& count : s) count.add_(1);
-    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, settings_.beta1, settings_.beta2,
-                      decayed ? settings_.weight_decay : 0.0, settings_.eps, /*amsgrad=*/false, /*maximize=*/false);
   }
   ++steps_;
 }

@@ -19,10 +19,12 @@ struct AdamWSettings {
 
 class AdamW {
  public:
-  AdamW(std::vector<at::Tensor> params, AdamWSettings settings);
+  // lr_scales[i] multiplies the step's learning rate for params[i] (empty: all 1), e.g. a slower indexer
+  // beside a faster memory in joint training.
+  AdamW(std::vector<at::Tensor> params, AdamWSettings settings, std::vector<double> lr_scales = {});
 
-  // One update with learning rate `lr` from each parameter's .grad(); parameters without a gradient are
-  // skipped (their moments and step count stay as they were, as in torch.optim).
+  // One update with learning rate `lr` (times each parameter's scale) from each parameter's .grad();
+  // parameters without a gradient are skipped (their moments and step count stay as they were, as in torch.optim).
   void step(double lr);
   void zero_grad();
   std::int64_t steps() const { return steps_; }
@@ -36,6 +38,7 @@ class AdamW {
  private:
   std::vector<at::Tensor> params_, exp_avg_, exp_avg_sq_, step_counts_;
   AdamWSettings settings_;
+  std::vector<double> lr_scales_;
   std::int64_t steps_ = 0;
 };
 

@@ -72,11 +72,13 @@ TrainSummary train(const Backbone& model, TrainingMethod& method, const Training
   const std::map<std::string, at::Tensor> named = method.named_parameters();
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
+  std::vector<double> lr_scales;
   for (const auto& [name, p] : named) {
     names.push_back(name);
     params.push_back(p);
+    lr_scales.push_back(method.lr_scale(name));
   }
-  AdamW optimizer(params, s.adamw);
+  AdamW optimizer(params, s.adamw, lr_scales);
   DataPosition position;
   std::int64_t step = 0, tokens_seen = 0;
   TrainSummary summary;

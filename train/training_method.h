@@ -35,6 +35,11 @@ class TrainingMethod {
   virtual std::map<std::string, std::string> metadata() const = 0;
   // The name of the per_layer statistic in metrics.jsonl.
   virtual std::string per_layer_name() const = 0;
+  // What the trainer's learning rate (schedule included) is multiplied by for the parameter `name`.
+  virtual double lr_scale(const std::string& name) const {
+    (void)name;
+    return 1.0;
+  }
 };
 
 }  // namespace kvbound

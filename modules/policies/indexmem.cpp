@@ -1,7 +1,9 @@
 // indexmem (DESIGN.md, "IndexMem"): each cached key keeps a running statistic of the learned indexer's
 // score I_g[s,t] over the queries s that have seen it — the mean (what the indexer was trained to predict,
-// pooled by mean; default) or the max (ablation) — and the `recent` newest tokens are always kept (without
-// them eviction collapses). Scoring an old key against new queries needs its indexer key kI, so kI is
+// pooled by mean; default), optionally decayed so that the last ~H queries dominate (weights a^(age),
+// a = 1 − 1/H: the training target pools over the last W queries, not over every query since the key was
+// written), or the max (ablation) — and the `recent` newest tokens are always kept (without them eviction
+// collapses). Scoring an old key against new queries needs its indexer key kI, so kI is
 // per-entry state that follows the cache.
 //
 // Pre-eviction (default): a chunk's queries update the statistics of the cached keys *before* the chunk's
@@ -11,8 +13,11 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full_like.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/maximum.h>
+#include <ATen/ops/pow.h>
 
+#include <cmath>
 #include <limits>
 
 #include "checkpoints/errors.h"
@@ -25,8 +30,9 @@ namespace {
 
 class IndexMem final : public EvictionPolicy {
  public:
-  IndexMem(std::shared_ptr<const Indexer> indexer, std::int64_t recent, bool use_max, bool pre_evict)
-      : indexer_(std::move(indexer)), recent_(recent), use_max_(use_max), pre_evict_(pre_evict) {}
+  IndexMem(std::shared_ptr<const Indexer> indexer, std::int64_t recent, bool use_max, std::int64_t horizon, bool pre_evict)
+      : indexer_(std::move(indexer)), recent_(recent), use_max_(use_max),
+        decay_(horizon > 0 ? 1.0 - 1.0 / static_cast<double>(horizon) : 1.0), pre_evict_(pre_evict) {}
 
   bool pre_evicts() const override { return pre_evict_; }
 
@@ -53,11 +59,13 @@ class IndexMem final : public EvictionPolicy {
     const at::Tensor like = v.cache->positions(v.layer).to(at::kDouble);
     at::Tensor& stat = stat_.extend(v.layer, older + t, like);
     at::Tensor& seen = seen_.extend(v.layer, older + t, like);
-    const at::Tensor chunk_stat =
-        use_max_ ? I.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity()).amax(2)
-                 : I.masked_fill(visible.logical_not(), 0).sum(2);
-    stat.narrow(-1, older, t).copy_(chunk_stat);
-    seen.narrow(-1, older, t).copy_(visible.sum(2));
+    if (use_max_) {
+      stat.narrow(-1, older, t).copy_(I.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity()).amax(2));
+      return;
+    }
+    const at::Tensor w = visible.to(at::kDouble) * query_weights(t);
+    stat.narrow(-1, older, t).copy_((I.to(at::kDouble) * w).sum(2));
+    seen.narrow(-1, older, t).copy_(w.sum(2));
   }
 
   at::Tensor score(const PolicyView& v) override {
@@ -88,17 +96,28 @@ class IndexMem final : public EvictionPolicy {
     at::Tensor stat = stat_.get(v.layer).narrow(-1, 0, older);
     if (use_max_) {
       stat.copy_(at::maximum(stat, I.amax(2).to(at::kDouble)));
-    } else {
-      stat.add_(I.sum(2).to(at::kDouble));
-      seen_.get(v.layer).narrow(-1, 0, older).add_(static_cast<double>(I.size(2)));
+      return;
     }
+    const std::int64_t t = I.size(2);
+    const at::Tensor w = query_weights(t);  // [T, 1]
+    const double carried = std::pow(decay_, static_cast<double>(t));
+    stat.mul_(carried).add_((I.to(at::kDouble) * w).sum(2));
+    seen_.get(v.layer).narrow(-1, 0, older).mul_(carried).add_(w.sum().item<double>());
+  }
+
+  // Weight of each of a chunk's T queries in the running mean, [T, 1]: decay^(T−1−s) (all 1 undecayed).
+  at::Tensor query_weights(std::int64_t t) const {
+    const at::Tensor age = at::arange(t - 1, -1, -1, at::TensorOptions().dtype(at::kDouble));
+    return at::pow(decay_, age).view({t, 1});
   }
 
   std::shared_ptr<const Indexer> indexer_;
   std::int64_t recent_;
-  bool use_max_, pre_evict_;
-  PerEntryState stat_, seen_;     // per layer [B, Hkv, N]: running sum (or max) of I over the queries that saw
-                                  // each entry, and how many did
+  bool use_max_;
+  double decay_;  // a of the decayed mean (1: the plain mean)
+  bool pre_evict_;
+  PerEntryState stat_, seen_;     // per layer [B, Hkv, N]: running weighted sum (or max) of I over the queries
+                                  // that saw each entry, and the sum of their weights
   std::vector<at::Tensor> keys_;  // per layer [B, Hkv, N, dI]: each cached entry's indexer key
 };
 
@@ -108,7 +127,9 @@ std::unique_ptr<EvictionPolicy> make_indexmem(const PolicyOptions& o) {
   if (!o.indexer) fail("config", "indexmem.weights", "policy indexmem needs an indexer file (kvbound export RUN_DIR --out FILE)");
   if (o.indexmem_stat != "mean" && o.indexmem_stat != "max")
     fail("config", "indexmem.stat", "'" + o.indexmem_stat + "' (mean, max)");
-  return std::make_unique<IndexMem>(o.indexer, o.indexmem_recent, o.indexmem_stat == "max", o.indexmem_pre_evict);
+  if (o.indexmem_horizon < 0) fail("config", "indexmem.horizon", "must be >= 0 (0: every query weighs the same)");
+  return std::make_unique<IndexMem>(o.indexer, o.indexmem_recent, o.indexmem_stat == "max", o.indexmem_horizon,
+                                    o.indexmem_pre_evict);
 }
 
 }  // namespace kvbound::policies
