@@ -72,7 +72,7 @@ struct PolicyOptions {
   std::shared_ptr<const Indexer> indexer;
   std::int64_t indexmem_recent = 8;      // indexmem: most recent tokens always kept
   std::string indexmem_stat = "mean";    // indexmem: running statistic of a key's scores: mean | max
-  std::int64_t indexmem_horizon = 0;     // indexmem: mean decayed over ~H queries (0: not decayed)
+  std::int64_t indexmem_horizon = 16;    // indexmem: mean decayed over ~H queries (0: not decayed)
   bool indexmem_pre_evict = true;        // indexmem: evict before the chunk's attention (false: after, like h2o)
   // "<policy>+mem": the trained latent memory (an export loaded by the command, or a trainer's live memory);
   // memory_for[policy] overrides it for that base policy (a memory serves the policy it was trained under).

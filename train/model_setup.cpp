@@ -44,7 +44,7 @@ void add_policy_keys(ConfigSchema& s) {
       .add("policy.snapkv_pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)")
       .add("indexmem.recent", ConfigType::Int, "8", "indexmem policy: most recent tokens always kept")
       .add("indexmem.stat", ConfigType::String, "mean", "indexmem policy: running statistic of a key's scores: mean | max")
-      .add("indexmem.horizon", ConfigType::Int, "0",
+      .add("indexmem.horizon", ConfigType::Int, "16",
            "indexmem policy, stat mean: decay older queries' scores by a = 1 - 1/H (0: every query weighs the same)")
       .add("indexmem.pre_evict", ConfigType::Bool, "true",
            "indexmem policy: evict before a chunk's attention (false: after it, like h2o)");
