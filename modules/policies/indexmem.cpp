@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "checkpoints/errors.h"
 #include "modules/indexer.h"
@@ -50,7 +51,8 @@ class IndexMem final : public EvictionPolicy {
     // The chunk's own entries: scored by the chunk's queries at or after them.
     const std::int64_t hkv = v.cache->positions(v.layer).size(1);
     const at::Tensor chunk_keys = indexer_->key(v.layer, call.normed_input, call.positions).expand({-1, hkv, -1, -1});
-    const at::Tensor I = indexer_->score(query(call), weights(call), chunk_keys);  // [B, Hkv, T, T]
+    const auto [q, w_heads] = chunk_queries(call);
+    const at::Tensor I = indexer_->score(q, w_heads, chunk_keys);  // [B, Hkv, T, T]
     const at::Tensor visible = (call.positions.view({1, 1, -1, 1}) >= call.positions.view({1, 1, 1, -1})).expand_as(I);
     const auto l = static_cast<std::size_t>(v.layer);
     if (l >= keys_.size()) keys_.resize(l + 1);
@@ -59,6 +61,7 @@ class IndexMem final : public EvictionPolicy {
     const at::Tensor like = v.cache->positions(v.layer).to(at::kDouble);
     at::Tensor& stat = stat_.extend(v.layer, older + t, like);
     at::Tensor& seen = seen_.extend(v.layer, older + t, like);
+    chunk_queries_[l] = {};  // the next chunk brings new queries
     if (use_max_) {
       stat.narrow(-1, older, t).copy_(I.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity()).amax(2));
       return;
@@ -85,14 +88,25 @@ class IndexMem final : public EvictionPolicy {
   }
 
  private:
-  at::Tensor query(const AttentionCall& call) const { return indexer_->query(call.layer, call.q_pre_rope, call.positions); }
-  at::Tensor weights(const AttentionCall& call) const { return indexer_->head_weights(call.layer, call.normed_input); }
+  // The chunk's indexer queries qI and head weights w: computed once per chunk and layer, shared by the
+  // statistics' update before attention and the chunk's own entries after it (observe() drops them).
+  std::pair<at::Tensor, at::Tensor> chunk_queries(const AttentionCall& call) {
+    const auto l = static_cast<std::size_t>(call.layer);
+    if (l >= chunk_queries_.size()) chunk_queries_.resize(l + 1);
+    auto& [q, w] = chunk_queries_[l];
+    if (!q.defined()) {
+      q = indexer_->query(call.layer, call.q_pre_rope, call.positions);
+      w = indexer_->head_weights(call.layer, call.normed_input);
+    }
+    return {q, w};
+  }
 
   // The chunk's queries score the `older` entries cached before it (every one of them precedes the chunk).
   void update_cached(const PolicyView& v, std::int64_t older) {
     if (older == 0) return;
     const at::Tensor keys = keys_.at(static_cast<std::size_t>(v.layer));
-    const at::Tensor I = indexer_->score(query(*v.call), weights(*v.call), keys.narrow(2, 0, older));  // [B, Hkv, T, older]
+    const auto [q, w_heads] = chunk_queries(*v.call);
+    const at::Tensor I = indexer_->score(q, w_heads, keys.narrow(2, 0, older));  // [B, Hkv, T, older]
     at::Tensor stat = stat_.get(v.layer).narrow(-1, 0, older);
     if (use_max_) {
       stat.copy_(at::maximum(stat, I.amax(2).to(at::kDouble)));
@@ -119,6 +133,7 @@ class IndexMem final : public EvictionPolicy {
   PerEntryState stat_, seen_;     // per layer [B, Hkv, N]: running weighted sum (or max) of I over the queries
                                   // that saw each entry, and the sum of their weights
   std::vector<at::Tensor> keys_;  // per layer [B, Hkv, N, dI]: each cached entry's indexer key
+  std::vector<std::pair<at::Tensor, at::Tensor>> chunk_queries_;  // per layer: the current chunk's qI, w
 };
 
 }  // namespace
