@@ -74,25 +74,7 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     }
     rows += n;
   }
-  StepLoss out;
-  if (rows == 0) {
-    // Nothing to learn from in this batch: a zero loss that still reaches every parameter (backward runs).
-    at::Tensor zero;
-    for (const at::Tensor& p : indexer_->parameters()) zero = zero.defined() ? zero + p.sum() * 0 : p.sum() * 0;
-    out.total = zero;
-    out.terms = {{"kl", zero}};
-    out.per_layer.assign(static_cast<std::size_t>(num_layers), 0.0);
-    return out;
-  }
-  at::Tensor total;
-  for (at::Tensor& kl : layer_kl) {
-    kl = kl / static_cast<double>(rows);
-    total = total.defined() ? total + kl : kl;
-  }
-  out.total = total / static_cast<double>(num_layers);
-  out.terms = {{"kl", out.total}};
-  for (const at::Tensor& kl : layer_kl) out.per_layer.push_back(kl.item<double>());
-  return out;
+  return layer_mean_loss(std::move(layer_kl), static_cast<double>(rows), "kl", indexer_->parameters());
 }
 
 std::unique_ptr<EvictionPolicy> IndexMemIndexerMethod::eval_policy() const {

@@ -117,25 +117,7 @@ StepLoss MemoryMethod::loss(const Batch& batch) {
       layer_mse[l] = layer_mse[l].defined() ? layer_mse[l] + mse : mse;
     }
   }
-  StepLoss out;
-  if (budgets_used == 0) {
-    // Nothing was evicted in this batch: a zero loss that still reaches every parameter (backward runs).
-    at::Tensor zero;
-    for (const at::Tensor& p : memory_->parameters()) zero = zero.defined() ? zero + p.sum() * 0 : p.sum() * 0;
-    out.total = zero;
-    out.terms = {{"mse", zero}};
-    out.per_layer.assign(static_cast<std::size_t>(num_layers), 0.0);
-    return out;
-  }
-  at::Tensor total;
-  for (at::Tensor& mse : layer_mse) {
-    mse = mse / static_cast<double>(budgets_used);
-    total = total.defined() ? total + mse : mse;
-  }
-  out.total = total / static_cast<double>(num_layers);
-  out.terms = {{"mse", out.total}};
-  for (const at::Tensor& mse : layer_mse) out.per_layer.push_back(mse.item<double>());
-  return out;
+  return layer_mean_loss(std::move(layer_mse), static_cast<double>(budgets_used), "mse", memory_->parameters());
 }
 
 std::unique_ptr<EvictionPolicy> MemoryMethod::eval_policy() const {

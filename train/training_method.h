@@ -22,6 +22,31 @@ struct StepLoss {
   std::vector<double> per_layer;                            // e.g. mean retention per layer
 };
 
+// A loss that is a sum per layer divided by `count` (rows, budgets, ...), then averaged over layers and
+// logged as `term`. With count 0 (nothing to learn from in this batch) a zero loss that still reaches every
+// parameter in `params`, so backward and the optimizer step run as usual.
+inline StepLoss layer_mean_loss(std::vector<at::Tensor> layer_sums, double count, const std::string& term,
+                                const std::vector<at::Tensor>& params) {
+  StepLoss out;
+  if (count == 0) {
+    at::Tensor zero;
+    for (const at::Tensor& p : params) zero = zero.defined() ? zero + p.sum() * 0 : p.sum() * 0;
+    out.total = zero;
+    out.terms = {{term, zero}};
+    out.per_layer.assign(layer_sums.size(), 0.0);
+    return out;
+  }
+  at::Tensor total;
+  for (at::Tensor& layer : layer_sums) {
+    layer = layer / count;
+    total = total.defined() ? total + layer : layer;
+  }
+  out.total = total / static_cast<double>(layer_sums.size());
+  out.terms = {{term, out.total}};
+  for (const at::Tensor& layer : layer_sums) out.per_layer.push_back(layer.item<double>());
+  return out;
+}
+
 class TrainingMethod {
  public:
   virtual ~TrainingMethod() = default;
