@@ -122,7 +122,7 @@ TEST(Backbone, SmolLM2GgufLogitsMatchTransformers) {
 }
 
 TEST(Backbone, Stories260KGreedyReproducesLlama2cReference) {
-  const std::string dir = test::shared_data("stories260K");
+  const std::string dir = test::asset("stories260K");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
   const auto model = Backbone::load(dir, at::kFloat);
   const auto tokenizer = load_tokenizer(dir + "/tok512.bin");

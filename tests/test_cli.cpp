@@ -52,7 +52,7 @@ TEST(Cli, HelpListsTheWorkingCommands) {
 }
 
 TEST(Cli, GenerateReproducesLlama2cOnStories260K) {
-  const std::string dir = kvbound::test::shared_data("stories260K");
+  const std::string dir = kvbound::test::asset("stories260K");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
   // The tokenizer (tok512.bin) is found beside the weights.
   const CliRun r = run("generate --model " + quote(dir) + " --max-new-tokens 200 --threads 1");
@@ -66,7 +66,7 @@ TEST(Cli, GenerateReproducesLlama2cOnStories260K) {
 }
 
 TEST(Cli, InfoDescribesTheModel) {
-  const std::string dir = kvbound::test::shared_data("stories260K");
+  const std::string dir = kvbound::test::asset("stories260K");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
   const CliRun r = run("info --model " + quote(dir));
   ASSERT_EQ(r.code, 0) << r.err;

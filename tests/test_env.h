@@ -1,4 +1,5 @@
-// Paths the tests read, fixed at configure time, and a visible skip when shared data is absent.
+// Paths the tests read, fixed at configure time. Everything a test reads is in the checkout (assets/) or made
+// by `make test` (the default model, the goldens): a missing file is a failure, never a skip.
 #pragma once
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -13,7 +14,7 @@
 namespace kvbound::test {
 
 inline std::string test_data(const std::string& rel) { return std::string(KVBOUND_TEST_DATA) + "/" + rel; }
-inline std::string shared_data(const std::string& rel) { return std::string(KVBOUND_SHARED_DATA) + "/" + rel; }
+inline std::string asset(const std::string& rel) { return std::string(KVBOUND_ASSETS) + "/" + rel; }
 inline std::string default_model() { return KVBOUND_DEFAULT_MODEL; }
 inline std::string kvbound_bin() { return KVBOUND_BIN; }
 
@@ -53,8 +54,8 @@ class TempDir {
 
 }  // namespace kvbound::test
 
-// Skips the current test, saying why, when a file it needs is not there.
-#define KVBOUND_REQUIRE_FILE(path)                                                   \
-  do {                                                                               \
-    if (!std::filesystem::exists(path)) GTEST_SKIP() << "missing " << (path);        \
+// Fails the current test, naming the file, when a file it needs is not there.
+#define KVBOUND_REQUIRE_FILE(path)                                                                       \
+  do {                                                                                                   \
+    if (!std::filesystem::exists(path)) GTEST_FAIL() << "missing " << (path) << " (make test creates it)"; \
   } while (0)

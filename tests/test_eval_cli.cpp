@@ -21,9 +21,10 @@ int run(const std::string& args, std::string* out, std::string* err) {
 class EvalCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    model_ = kvbound::test::shared_data("stories260K");
-    text_ = kvbound::test::shared_data("text/tinystories_valid_first794KB_hf.txt");
-    if (!fs::exists(model_ + "/model.safetensors") || !fs::exists(text_)) GTEST_SKIP() << "missing " << model_;
+    model_ = kvbound::test::asset("stories260K");
+    text_ = kvbound::test::asset("text/tinystories_valid_first794KB_hf.txt");
+    KVBOUND_REQUIRE_FILE(model_ + "/model.safetensors");
+    KVBOUND_REQUIRE_FILE(text_);
     dir_ = fs::temp_directory_path() / ("kvbound_eval_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);

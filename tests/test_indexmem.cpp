@@ -258,9 +258,8 @@ TEST(IndexMemPolicy, NeedsAnIndexer) {
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate.
 TEST(IndexMemCli, TrainsExportsAndEvaluates) {
   const auto cli = test::stories260k_cli();
-  if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
   test::TempDir dir("indexmem_cli");
-  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(*cli, "  method: indexmem\n  steps: 3\n",
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(cli, "  method: indexmem\n  steps: 3\n",
                                                              "indexmem:\n  d_index: 8\n  window: 8\nrun:\n  out_dir: " +
                                                                  (dir / "run") + "\n");
   std::string out, err;
@@ -283,7 +282,7 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
   EXPECT_EQ(ix.metadata.at("window"), "8");
 
   std::set<std::string> policies;
-  ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[indexmem,h2o] --set indexmem.weights=" + (dir / "ix.safetensors"),
+  ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[indexmem,h2o] --set indexmem.weights=" + (dir / "ix.safetensors"),
                             &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"indexmem", "h2o"}));
 }
@@ -293,10 +292,9 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
 // indexer and memory in eval.
 TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   const auto cli = test::stories260k_cli();
-  if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
   test::TempDir dir("indexmem_stage2");
   const std::string indexer_keys = "indexmem:\n  d_index: 8\n  window: 8\n";
-  std::ofstream(dir / "stage1.yaml") << test::tiny_train_yaml(*cli, "  method: indexmem\n  steps: 2\n",
+  std::ofstream(dir / "stage1.yaml") << test::tiny_train_yaml(cli, "  method: indexmem\n  steps: 2\n",
                                                               indexer_keys + "run:\n  out_dir: " + (dir / "stage1") + "\n");
   std::string out, err;
   ASSERT_EQ(test::run_kvbound("train " + (dir / "stage1.yaml"), &out, &err), 0) << err;
@@ -304,7 +302,7 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
 
   auto stage2_yaml = [&](const std::string& name, const std::string& memory_keys) {
     std::ofstream(dir / (name + ".yaml")) << test::tiny_train_yaml(
-        *cli, "  method: memory\n  steps: 2\n  init_from: " + (dir / "stage1") + "\n",
+        cli, "  method: memory\n  steps: 2\n  init_from: " + (dir / "stage1") + "\n",
         indexer_keys + "  lambda_mse: 0.5\n  lr: 1.0e-3\nmemory:\n  dim: 8\n  policy: indexmem\n  budgets: [8, 12]\n  chunk: 4\n" +
             memory_keys + "run:\n  out_dir: " + (dir / name) + "\n");
     return "train " + (dir / (name + ".yaml"));
@@ -346,15 +344,15 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
 
   std::set<std::string> policies;
   const std::string file = dir / "joint.safetensors";
-  ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[indexmem+mem,indexmem] --set indexmem.weights=" + file +
+  ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[indexmem+mem,indexmem] --set indexmem.weights=" + file +
                                                     " --set memory.weights_for=[indexmem=" + file + "]", &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"indexmem+mem", "indexmem"}));
-  EXPECT_NE(test::tiny_eval(*cli, dir / "eval_bad", "--set eval.policies=[h2o+mem] --set memory.weights_for=[h20=" + file + "]",
+  EXPECT_NE(test::tiny_eval(cli, dir / "eval_bad", "--set eval.policies=[h2o+mem] --set memory.weights_for=[h20=" + file + "]",
                             &policies, &err), 0);
   EXPECT_NE(err.find("memory.weights_for"), std::string::npos) << err;
 
   // A memory serves the policy it was trained under.
-  EXPECT_NE(test::tiny_eval(*cli, dir / "eval_other", "--set eval.policies=[h2o+mem] --set memory.weights_for=[h2o=" +
+  EXPECT_NE(test::tiny_eval(cli, dir / "eval_other", "--set eval.policies=[h2o+mem] --set memory.weights_for=[h2o=" +
                                                          (dir / "frozen.safetensors") + "]", &policies, &err), 0);
   EXPECT_NE(err.find("memory.weights_for: " + (dir / "frozen.safetensors") + ": memory_policy"), std::string::npos) << err;
 

@@ -271,10 +271,9 @@ TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngineUnderEveryKindOfPolicy
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate h2o+mem.
 TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   const auto cli = test::stories260k_cli();
-  if (!cli) GTEST_SKIP() << "missing " << test::shared_data("stories260K");
   test::TempDir dir("memory_cli");
   std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(
-      *cli, "  method: memory\n  steps: 3\n",
+      cli, "  method: memory\n  steps: 3\n",
       "memory:\n  dim: 8\n  budgets: [8, 12]\n  chunk: 4\nrun:\n  out_dir: " + (dir / "run") + "\n");
   std::string out, err;
   ASSERT_EQ(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0) << err;
@@ -294,7 +293,7 @@ TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   EXPECT_EQ(mem.metadata.at("memory_policy"), "h2o");
 
   std::set<std::string> policies;
-  ASSERT_EQ(test::tiny_eval(*cli, dir / "eval", "--set eval.policies=[h2o+mem,h2o] --set memory.weights=" + (dir / "mem.safetensors"),
+  ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[h2o+mem,h2o] --set memory.weights=" + (dir / "mem.safetensors"),
                             &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"h2o+mem", "h2o"}));
 }

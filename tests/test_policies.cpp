@@ -77,7 +77,7 @@ at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t
 class EveryPolicy : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+    KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   }
 };
 
@@ -158,7 +158,7 @@ std::vector<at::Tensor> policy_scores(const std::string& name, Capture* capture,
 }
 
 TEST(PolicyScores, H2OIsMeanReceivedAttention) {
-  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   Capture cap;
   PolicyOptions o;
   o.recent = 0;
@@ -173,7 +173,7 @@ TEST(PolicyScores, H2OIsMeanReceivedAttention) {
 }
 
 TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
-  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   Capture cap;
   const auto scores = policy_scores("tova", &cap);
   const std::int64_t T = tiny_model().tokens.size(1), Hkv = tiny_model().model->config().num_kv_heads;
@@ -184,7 +184,7 @@ TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
 }
 
 TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
-  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   Capture cap;
   PolicyOptions o;
   o.snapkv_window = 9;  // spans two chunks of 7
@@ -204,7 +204,7 @@ TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
 namespace {
 
 TEST(BudgetedCacheEngine, FullThroughTheEngineEqualsOnePlainForwardForAnyChunkSize) {
-  if (!std::filesystem::exists(test::test_data("tiny/llama_tied/logits.f32"))) GTEST_SKIP() << "missing tiny golden";
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const test::TinyModel& f = tiny_model();
   KVCache plain = f.model->make_cache();
   const at::Tensor expected = f.model->forward(f.tokens, plain);

@@ -80,7 +80,7 @@ class CorruptModel : public ::testing::Test {
  protected:
   void SetUp() override {
     src_ = test::test_data("tiny/llama_tied");
-    if (!fs::exists(src_ + "/model.safetensors")) GTEST_SKIP() << "missing " << src_;
+    KVBOUND_REQUIRE_FILE(src_ + "/model.safetensors");
     dir_ = fs::temp_directory_path() / ("kvbound_corrupt_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);

@@ -458,7 +458,7 @@ const char* kStories =
     "The sun was big and warm. Lily smiled.";
 
 TEST(PrepareCli, TokenisesTextIntoADatasetTheTokenizerAccepts) {
-  const std::string tok512 = test::shared_data("stories260K/tok512.bin");
+  const std::string tok512 = test::asset("stories260K/tok512.bin");
   KVBOUND_REQUIRE_FILE(tok512);
   const fs::path dir = scratch_dir();
   const std::string input = write_file(dir / "stories,1.txt", kStories);  // a comma must not split the name
@@ -487,7 +487,7 @@ TEST(PrepareCli, TokenisesTextIntoADatasetTheTokenizerAccepts) {
 
   // A model folder names its tokenizer; --add-eos ends every document with EOS.
   const std::string with_eos = (dir / "eos.h5").string();
-  const CliRun eos = run_kvbound("prepare --add-eos --tokenizer " + quote(test::shared_data("stories260K")) +
+  const CliRun eos = run_kvbound("prepare --add-eos --tokenizer " + quote(test::asset("stories260K")) +
                                      " --output " + quote(with_eos) + " --input " + quote(input),
                                  dir);
   ASSERT_EQ(eos.code, 0) << eos.err;
@@ -500,7 +500,7 @@ TEST(PrepareCli, TokenisesTextIntoADatasetTheTokenizerAccepts) {
 }
 
 TEST(PrepareCli, RefusesToOverwriteUnlessForced) {
-  const std::string tok512 = test::shared_data("stories260K/tok512.bin");
+  const std::string tok512 = test::asset("stories260K/tok512.bin");
   KVBOUND_REQUIRE_FILE(tok512);
   const fs::path dir = scratch_dir();
   const std::string input = write_file(dir / "in.txt", kStories);
@@ -516,7 +516,7 @@ TEST(PrepareCli, RefusesToOverwriteUnlessForced) {
 }
 
 TEST(PrepareCli, AFailedRunLeavesNoOutput) {
-  const std::string tok512 = test::shared_data("stories260K/tok512.bin");
+  const std::string tok512 = test::asset("stories260K/tok512.bin");
   KVBOUND_REQUIRE_FILE(tok512);
   const fs::path dir = scratch_dir();
   const std::string good = write_file(dir / "good.txt", kStories);

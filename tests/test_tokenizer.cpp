@@ -21,7 +21,7 @@ using Ids = std::vector<std::int64_t>;
 
 namespace {
 
-std::string tok512() { return test::shared_data("stories260K/tok512.bin"); }
+std::string tok512() { return test::asset("stories260K/tok512.bin"); }
 std::string golden(const std::string& rel) { return test::test_data("tokenizer/" + rel); }
 
 nlohmann::json read_json(const std::string& path) {
@@ -358,7 +358,7 @@ TEST(Tokenizer, FindsTheTokenizerBesideAModel) {
 }  // namespace
 
 TEST(Tokenizer, FollowsEachFormatsBosConvention) {
-  const std::string tok512 = kvbound::test::shared_data("stories260K/tok512.bin");
+  const std::string tok512 = kvbound::test::asset("stories260K/tok512.bin");
   KVBOUND_REQUIRE_FILE(tok512);
   EXPECT_TRUE(kvbound::load_tokenizer(tok512)->adds_bos());  // run.c always starts with BOS
   KVBOUND_REQUIRE_FILE(kvbound::test::default_model());

@@ -4,7 +4,6 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -14,15 +13,12 @@
 namespace kvbound::test {
 
 struct TinyCli {
-  std::string model, train, valid;  // stories260K and its train / held-out text in ../shared/data
+  std::string model, train, valid;  // stories260K and its train / held-out text in assets/
 };
 
-// The shared data, or nothing when it is not beside this checkout (callers skip visibly).
-inline std::optional<TinyCli> stories260k_cli() {
-  TinyCli c{shared_data("stories260K"), shared_data("text/tinystories_train_first2MiB.txt"),
-            shared_data("text/tinystories_valid_first794KB_hf.txt")};
-  if (!std::filesystem::exists(c.model + "/model.safetensors") || !std::filesystem::exists(c.train)) return std::nullopt;
-  return c;
+inline TinyCli stories260k_cli() {
+  return {asset("stories260K"), asset("text/tinystories_train_first2MiB.txt"),
+          asset("text/tinystories_valid_first794KB_hf.txt")};
 }
 
 // A train config: stories260K, one thread, rows of 32 tokens, 2 per update, warm-up 1, no periodic eval;
