@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   at::set_num_threads(threads);
   const c10::InferenceMode no_autograd;
   const auto model = kvbound::Backbone::load(model_path, at::kFloat);
-  auto policy = kvbound::make_policy(policy_name, {});
+  auto policy = kvbound::make_policy(policy_name, kvbound::policy_config(), {});
   kvbound::BudgetedCache budgeted(*policy, budget);
   kvbound::KVCache cache = model->make_cache();
   at::manual_seed(0);

@@ -6,7 +6,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 // Numbers are copied out of the buffer with memcpy into host integers, which is only a decode of
 // GGUF's little-endian encoding on a little-endian host.

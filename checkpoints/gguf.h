@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "checkpoints/gguf_dequant.h"
-#include "checkpoints/mapped_file.h"
+#include "base/mapped_file.h"
 
 namespace kvbound {
 

@@ -11,7 +11,7 @@
 #include <set>
 #include <vector>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "checkpoints/gguf.h"
 #include "checkpoints/weights.h"
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
 namespace kvbound {
 

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 namespace {

@@ -9,10 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "checkpoints/gguf_checkpoint.h"
-#include "checkpoints/mapped_file.h"
+#include "base/mapped_file.h"
 #include "checkpoints/safetensors_format.h"
 
 namespace kvbound {

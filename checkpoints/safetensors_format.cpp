@@ -4,7 +4,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 

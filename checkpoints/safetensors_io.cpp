@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "checkpoints/atomic_file.h"
-#include "checkpoints/errors.h"
-#include "checkpoints/mapped_file.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
+#include "base/mapped_file.h"
 
 // The format stores little-endian data; tensors are copied byte for byte.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors I/O assumes a little-endian host");

@@ -8,7 +8,7 @@
 #include <map>
 #include <string>
 
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
 namespace kvbound {
 

@@ -1,5 +1,5 @@
 #include "data/bpe_tokenizer.h"
-#include "data/fnv1a.h"
+#include "base/fnv1a.h"
 
 #include <unicode/bytestream.h>
 #include <unicode/normalizer2.h>
@@ -19,7 +19,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 namespace {

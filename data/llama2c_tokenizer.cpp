@@ -1,5 +1,5 @@
 #include "data/llama2c_tokenizer.h"
-#include "data/fnv1a.h"
+#include "base/fnv1a.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <cstring>
 #include <limits>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 namespace {

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 namespace {

@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/gguf.h"
-#include "checkpoints/mapped_file.h"
+#include "base/mapped_file.h"
 #include "data/bpe_tokenizer.h"
 #include "data/llama2c_tokenizer.h"
 

@@ -2,30 +2,28 @@
 
 #include <map>
 
-#include "checkpoints/errors.h"
-#include "eval/progress.h"
-#include "eval/text_windows.h"
-#include "modules/policies/registry.h"
+#include "base/errors.h"
+#include "base/progress.h"
+#include "data/text_windows.h"
 
 namespace kvbound {
 namespace {
 
 struct Run {
-  std::string policy;
-  std::int64_t budget;  // 0 for full
+  const ConfiguredPolicy* policy;
+  std::int64_t budget;  // 0 for an unbounded policy (full)
 };
 
 std::vector<Run> runs_of(const SweepSettings& s) {
   std::vector<Run> runs;
-  for (const std::string& p : s.policies) {
-    make_policy(p, s.policy_options);  // rejects an unknown name before any work
-    if (p == "full") {
-      runs.push_back({p, 0});
+  for (const ConfiguredPolicy& p : s.policies) {
+    if (!p.make(0)->bounded()) {
+      runs.push_back({&p, 0});
       continue;
     }
     for (std::int64_t b : s.budgets) {
       if (b < 1) fail("eval", "budgets", "every budget must be >= 1, got " + std::to_string(b));
-      runs.push_back({p, b});
+      runs.push_back({&p, b});
     }
   }
   if (runs.empty()) fail("eval", "policies", "no policy to evaluate");
@@ -33,10 +31,8 @@ std::vector<Run> runs_of(const SweepSettings& s) {
 }
 
 // A fresh policy per run and window: policies keep per-sequence state.
-std::unique_ptr<EvictionPolicy> fresh(const Run& run, const PolicyOptions& options, std::uint64_t salt) {
-  PolicyOptions o = options;
-  o.seed = options.seed * 1000003 + salt;
-  return make_policy(run.policy, o);
+std::unique_ptr<EvictionPolicy> fresh(const Run& run, std::uint64_t seed, std::uint64_t salt) {
+  return run.policy->make(seed * 1000003 + salt);
 }
 
 }  // namespace
@@ -54,26 +50,26 @@ EvalResults run_budget_sweep(const Backbone& model, const Tokenizer& tokenizer, 
   for (std::size_t w = 0; w < windows.size(); ++w) {
     const ContinuationReference ref = continuation_reference(model, windows[w], s.continuation);
     for (std::size_t r = 0; r < runs.size(); ++r) {
-      auto policy = fresh(runs[r], s.policy_options, w);
+      auto policy = fresh(runs[r], s.seed, w);
       run_continuation(model, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.continuation, ref, totals[r]);
-      progress.advance(1, "window " + std::to_string(w + 1) + " " + runs[r].policy);
+      progress.advance(1, "window " + std::to_string(w + 1) + " " + runs[r].policy->name());
     }
   }
   std::map<std::size_t, std::int64_t> correct;
   for (std::size_t c = 0; c < cases.size(); ++c) {
     for (std::size_t r = 0; r < runs.size(); ++r) {
-      auto policy = fresh(runs[r], s.policy_options, 7777 + c);
+      auto policy = fresh(runs[r], s.seed, 7777 + c);
       const std::string answer =
           answer_retrieval(model, tokenizer, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.retrieval, cases[c]);
       correct[r] += retrieval_correct(answer, cases[c].passkey) ? 1 : 0;
-      progress.advance(1, "passkey " + std::to_string(c + 1) + " " + runs[r].policy);
+      progress.advance(1, "passkey " + std::to_string(c + 1) + " " + runs[r].policy->name());
     }
   }
   progress.finish();
 
   EvalResults results;
   for (std::size_t r = 0; r < runs.size(); ++r) {
-    ResultRow row{runs[r].policy, runs[r].budget, {}};
+    ResultRow row{runs[r].policy->name(), runs[r].budget, {}};
     if (s.run_continuation) {
       const ContinuationTotals& t = totals[r];
       const double n = static_cast<double>(t.scored);

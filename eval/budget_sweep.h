@@ -10,12 +10,12 @@
 #include "eval/results.h"
 #include "eval/retrieval.h"
 #include "modules/backbone.h"
-#include "modules/eviction_policy.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound {
 
 struct SweepSettings {
-  std::vector<std::string> policies;
+  std::vector<ConfiguredPolicy> policies;  // each run gets fresh instances (seeded from `seed`, window, case)
   std::vector<std::int64_t> budgets;
   bool run_continuation = true;
   bool run_retrieval = true;
@@ -25,7 +25,6 @@ struct SweepSettings {
   std::uint64_t seed = 0;
   ContinuationSettings continuation;
   RetrievalSettings retrieval;
-  PolicyOptions policy_options;
 };
 
 EvalResults run_budget_sweep(const Backbone& model, const Tokenizer& tokenizer, const SweepSettings& settings);

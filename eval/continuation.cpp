@@ -6,7 +6,7 @@
 
 #include <chrono>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "modules/memory_cache.h"
 
 namespace kvbound {
@@ -71,7 +71,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   totals.decode_tokens += T - 1 - settings.prefill_len;
 
   const at::Tensor logprobs = at::log_softmax(model.logits(at::cat(rows, 0)), -1);  // [S, V]
-  const at::Tensor targets = ref.tokens.narrow(0, settings.score_from, T - settings.score_from);
+  const at::Tensor targets = ref.tokens.narrow(0, settings.score_from, T - settings.score_from).to(logprobs.device());
   const at::Tensor full = ref.full_logprobs;
   totals.nll += -logprobs.gather(1, targets.unsqueeze(1)).sum().item<double>();
   totals.kl += (full.exp() * (full - logprobs)).sum().item<double>();

@@ -12,8 +12,8 @@
 #include <sstream>
 #include <utility>
 
-#include "checkpoints/atomic_file.h"
-#include "checkpoints/errors.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
 
 namespace kvbound {
 namespace {

@@ -5,7 +5,7 @@
 #include <cctype>
 #include <random>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "modules/memory_cache.h"
 #include "modules/sampler.h"
 

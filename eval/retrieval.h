@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
-#include "eval/text_windows.h"
+#include "data/text_windows.h"
 #include "modules/backbone.h"
 #include "modules/eviction_policy.h"
 

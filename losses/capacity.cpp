@@ -6,7 +6,7 @@
 #include <ATen/ops/relu.h>
 #include <ATen/ops/stack.h>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "ops/retention_sum.h"
 
 namespace kvbound::losses {

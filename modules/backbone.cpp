@@ -17,7 +17,7 @@
 #include <cmath>
 #include <set>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/model_loader.h"
 #include "ops/rms_norm.h"
 
@@ -98,11 +98,12 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at
   return x * emb.cos().to(x.scalar_type()) + rotate_half(x) * emb.sin().to(x.scalar_type());
 }
 
-std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType dtype) {
-  return std::make_unique<Backbone>(load_checkpoint(path, dtype));
+std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType dtype, c10::Device device) {
+  return std::make_unique<Backbone>(load_checkpoint(path, dtype), device);
 }
 
-Backbone::Backbone(LoadedCheckpoint ck) : config_(ck.config), source_(ck.source), format_(ck.format), stored_types_(ck.stored_types) {
+Backbone::Backbone(LoadedCheckpoint ck, c10::Device device)
+    : config_(ck.config), source_(ck.source), format_(ck.format), stored_types_(ck.stored_types), device_(device) {
   config_.validate(source_);
   const auto& c = config_;
   const std::int64_t d = c.hidden_size, q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
@@ -138,6 +139,14 @@ Backbone::Backbone(LoadedCheckpoint ck) : config_(ck.config), source_(ck.source)
   // The backbone is frozen: nothing here is a trainable parameter.
   for (auto& [name, tensor] : ck.tensors) tensor.set_requires_grad(false);
   inv_freq_ = rope_inverse_frequencies(c);
+  if (!device_.is_cpu()) {  // on the CPU the memory-mapped views stay as they are
+    for (at::Tensor* w : {&embed_, &final_norm_, &inv_freq_}) *w = w->to(device_);
+    lm_head_ = c.tie_word_embeddings ? embed_ : lm_head_.to(device_);
+    for (Layer& L : layers_)
+      for (at::Tensor* w : {&L.input_norm, &L.q_proj, &L.k_proj, &L.v_proj, &L.o_proj, &L.q_bias, &L.k_bias, &L.v_bias,
+                            &L.q_norm, &L.k_norm, &L.post_norm, &L.gate_proj, &L.up_proj, &L.down_proj})
+        if (w->defined()) *w = w->to(device_);
+  }
 }
 
 std::int64_t Backbone::num_parameters() const {
@@ -162,6 +171,23 @@ at::Tensor apply_activation(const std::string& act, const at::Tensor& x) {
   return at::relu(x);
 }
 
+void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook) {
+  if (hook) hook->before_attention(call, cache);
+  const std::int64_t T = call.q.size(2), cached = cache.size(call.layer);
+  cache.append(call.layer, call.k, call.v, call.positions);
+  std::optional<at::Tensor> mask;  // none for a first chunk (plain causal) or a single token
+  bool causal = false;
+  if (T > 1 && cached == 0) {
+    causal = true;
+  } else if (T > 1) {
+    const auto opts = at::TensorOptions().dtype(at::kBool).device(call.q.device());
+    mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
+  }
+  call.output = at::scaled_dot_product_attention(call.q, cache.keys(call.layer), cache.values(call.layer), mask, 0.0,
+                                                 causal, std::nullopt, /*enable_gqa=*/call.q.size(1) != call.k.size(1));
+  if (hook) hook->after_attention(call, cache);
+}
+
 at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
                                const at::Tensor& cos, const at::Tensor& sin, KVCache& cache,
                                AttentionHook* hook) const {
@@ -171,6 +197,7 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.layer = layer;
   call.normed_input = rms_norm(x, L.input_norm);
   call.positions = positions;
+  call.start = cache.next_position();
   auto project = [&](const at::Tensor& w, const at::Tensor& b, std::int64_t heads) {
     return at::linear(call.normed_input, w, b).view({B, T, heads, c.head_dim}).transpose(1, 2);
   };
@@ -185,28 +212,12 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.k_pre_rope = k;
   call.q = q * cos + rotate_half(q) * sin;
   call.k = k * cos + rotate_half(k) * sin;
-  if (hook) hook->before_attention(call, cache);
   if (hook && hook->replaces_attention()) {
+    hook->before_attention(call, cache);
     call.output = hook->attend(call);
-    return at::linear(call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim}), L.o_proj);
+  } else {
+    attend_over_cache(call, cache, hook);
   }
-
-  const std::int64_t cached = cache.size(layer);
-  cache.append(layer, call.k, call.v, positions);
-  const at::Tensor keys = cache.keys(layer), values = cache.values(layer);
-  // Every cached entry precedes the chunk, so the mask is "all cached" + causal within the chunk,
-  // the same for every head: [T, cached + T], or none at all for a first chunk or a single token.
-  std::optional<at::Tensor> mask;
-  bool causal = false;
-  if (T > 1 && cached == 0) {
-    causal = true;
-  } else if (T > 1) {
-    auto opts = at::TensorOptions().dtype(at::kBool);
-    mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
-  }
-  call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
-                                                 /*enable_gqa=*/c.num_heads != c.num_kv_heads);
-  if (hook) hook->after_attention(call, cache);
   return at::linear(call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim}), L.o_proj);
 }
 
@@ -214,9 +225,9 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
   TORCH_CHECK(tokens.dim() == 2, "Backbone::forward: tokens must be [B, T]");
   TORCH_CHECK(cache.num_layers() == config_.num_layers, "Backbone::forward: cache has the wrong number of layers");
   const std::int64_t T = tokens.size(1);
-  const at::Tensor ids = tokens.to(at::kLong);
-  const std::int64_t bad = ((ids < 0) | (ids >= config_.vocab_size)).sum().item<std::int64_t>();
+  const std::int64_t bad = ((tokens < 0) | (tokens >= config_.vocab_size)).sum().item<std::int64_t>();
   if (bad > 0) fail(source_, "tokens", std::to_string(bad) + " token ids outside [0, " + std::to_string(config_.vocab_size) + ")");
+  const at::Tensor ids = tokens.to(device_, at::kLong);
   const at::Tensor positions = at::arange(cache.next_position(), cache.next_position() + T, ids.options());
   const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, D/2]
   const at::Tensor emb = at::cat({freqs, freqs}, -1);

@@ -11,7 +11,7 @@
 
 #include "checkpoints/weights.h"
 #include "modules/kv_cache.h"
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
 namespace kvbound {
 
@@ -22,7 +22,8 @@ struct AttentionCall {
   at::Tensor normed_input;  // [B, T, hidden]: input_layernorm(h), what q/k/v are projected from
   at::Tensor q, k, v;       // [B, Hq|Hkv, T, D]; q and k after RoPE
   at::Tensor q_pre_rope, k_pre_rope;
-  at::Tensor positions;     // [T] int64
+  at::Tensor positions;     // [T] int64: start, start + 1, ..., start + T - 1
+  std::int64_t start = 0;   // the chunk's first position, known on the host (no device sync to read it)
   at::Tensor output;        // [B, Hq, T, D]: set by attention, before o_proj; after_attention may replace it
 };
 
@@ -39,22 +40,32 @@ class AttentionHook {
   virtual at::Tensor attend(const AttentionCall& call) { (void)call; return {}; }
 };
 
+// One layer's attention of a chunk over the KV cache, the one path of the backbone's forward and of the
+// trainers' replays of captured q/k/v: the hook's before_attention (pre-eviction), the chunk appended to the
+// cache, scaled dot-product attention over "every cached entry + causal within the chunk" (every cached entry
+// precedes the chunk, so one mask serves all heads), then the hook's after_attention. Sets call.output.
+void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook);
+
 class Backbone {
  public:
-  // Loads an HF folder or .gguf file in `dtype` (kFloat or kBFloat16) and checks every tensor.
-  static std::unique_ptr<Backbone> load(const std::string& path, at::ScalarType dtype);
-  explicit Backbone(LoadedCheckpoint checkpoint);
+  // Loads an HF folder or .gguf file in `dtype` (kFloat or kBFloat16) onto `device` and checks every tensor.
+  static std::unique_ptr<Backbone> load(const std::string& path, at::ScalarType dtype, c10::Device device = c10::kCPU);
+  explicit Backbone(LoadedCheckpoint checkpoint, c10::Device device = c10::kCPU);
 
   const ModelConfig& config() const { return config_; }
   const std::string& source() const { return source_; }
   const std::string& format() const { return format_; }
   at::ScalarType dtype() const { return dtype_; }
+  // Where every weight lives and every forward computes (tokens may come from the CPU).
+  c10::Device device() const { return device_; }
   const std::map<std::string, std::int64_t>& stored_types() const { return stored_types_; }
   std::int64_t num_parameters() const;
   std::int64_t parameter_bytes() const;
 
   // Runs tokens [B, T] at positions cache.next_position() + [0, T) through every layer, appending their
-  // keys/values to `cache`; returns the final normed hidden states [B, T, hidden] (compute dtype).
+  // keys/values to `cache`; returns the final normed hidden states [B, T, hidden] (compute dtype, on the
+  // backbone's device). Token ids outside the vocabulary are a kvbound::Error (checked where `tokens` lives:
+  // pass host tokens to keep the device free of synchronisation).
   at::Tensor forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const;
   // Logits [B, T, vocab] in float32 for hidden states from forward_hidden.
   at::Tensor logits(const at::Tensor& hidden) const;
@@ -78,6 +89,7 @@ class Backbone {
   std::string source_, format_;
   std::map<std::string, std::int64_t> stored_types_;
   at::ScalarType dtype_ = at::kFloat;
+  c10::Device device_ = c10::kCPU;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
   std::vector<Layer> layers_;
 };

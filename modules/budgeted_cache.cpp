@@ -9,7 +9,7 @@
 #include <limits>
 #include <numeric>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 

@@ -1,10 +1,10 @@
 // An eviction policy scores every cached token per (batch, KV head); the budgeted cache keeps the
-// top-M. One file per policy in modules/policies/, one line in the registry (kvpress style).
+// top-M. One file per policy in modules/policies/, one line in modules/policies/policy_list.h (kvpress
+// style): the file declares the policy's config keys and builds it (modules/policies/registry.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -14,8 +14,6 @@
 
 namespace kvbound {
 
-class RetentionGates;
-class Indexer;
 class LatentMemory;
 
 // What a policy may look at after a chunk's attention in one layer (or, for a pre-evicting policy's
@@ -57,27 +55,6 @@ class EvictionPolicy {
 
  private:
   std::shared_ptr<const LatentMemory> memory_;
-};
-
-// Settings shared by the heuristics; each policy reads the ones it uses.
-struct PolicyOptions {
-  std::uint64_t seed = 0;
-  std::int64_t sinks = 4;           // streaming_llm: first tokens always kept (attention sinks)
-  std::int64_t recent = 8;          // h2o: most recent tokens always kept
-  std::int64_t snapkv_window = 32;  // snapkv: observation window (last queries)
-  std::int64_t snapkv_pool = 5;     // snapkv: average-pooling kernel over key positions
-  // trimkv: the trained retention gates (an export loaded by the command, or a trainer's live gates).
-  std::shared_ptr<const RetentionGates> trimkv_gates;
-  // indexmem: the trained indexer (an export loaded by the command, or a trainer's live indexer).
-  std::shared_ptr<const Indexer> indexer;
-  std::int64_t indexmem_recent = 8;      // indexmem: most recent tokens always kept
-  std::string indexmem_stat = "mean";    // indexmem: running statistic of a key's scores: mean | max
-  std::int64_t indexmem_horizon = 16;    // indexmem: mean decayed over ~H queries (0: not decayed)
-  bool indexmem_pre_evict = true;        // indexmem: evict before the chunk's attention (false: after, like h2o)
-  // "<policy>+mem": the trained latent memory (an export loaded by the command, or a trainer's live memory);
-  // memory_for[policy] overrides it for that base policy (a memory serves the policy it was trained under).
-  std::shared_ptr<const LatentMemory> memory;
-  std::map<std::string, std::shared_ptr<const LatentMemory>> memory_for;
 };
 
 }  // namespace kvbound

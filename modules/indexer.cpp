@@ -11,7 +11,8 @@
 
 #include <cmath>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
+#include "modules/leaf_tensors.h"
 #include "modules/backbone.h"
 
 namespace kvbound {
@@ -136,6 +137,12 @@ at::Tensor Indexer::score(const at::Tensor& qI, const at::Tensor& w, const at::T
   at::Tensor dots = at::matmul(q, kI.unsqueeze(2).transpose(-1, -2));  // [B, Hc, G, S, N]
   if (settings_.relu) dots = at::relu(dots);
   return (wg * dots).sum(2) / std::sqrt(static_cast<double>(settings_.d_index));
+}
+
+void Indexer::to(c10::Device device) {
+  inv_freq_ = inv_freq_.to(device);
+  for (Layer& L : layers_)
+    for (at::Tensor* t : {&L.wq, &L.wk, &L.ww, &L.bw}) *t = to_device_as_leaf(*t, device);
 }
 
 std::vector<at::Tensor> Indexer::parameters() const {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
 namespace kvbound {
 
@@ -42,6 +42,9 @@ class Indexer {
   // with the shapes `config` and `settings` imply; otherwise kvbound::Error naming `source` and the tensor.
   static Indexer from_tensors(const std::map<std::string, at::Tensor>& tensors, const ModelConfig& config,
                               const IndexerSettings& settings, const std::string& source);
+
+  // Moves every tensor to `device` (trainable ones stay trainable leaves); modules live on the run's device.
+  void to(c10::Device device);
 
   // qI [B, Hq, T, d_I] from pre-RoPE queries [B, Hq, T, head_dim] at positions [T].
   at::Tensor query(std::int64_t layer, const at::Tensor& q_pre_rope, const at::Tensor& positions) const;

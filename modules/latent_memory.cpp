@@ -13,7 +13,8 @@
 
 #include <cmath>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
+#include "modules/leaf_tensors.h"
 
 namespace kvbound {
 namespace {
@@ -123,6 +124,11 @@ at::Tensor LatentMemory::read(std::int64_t layer, const MemoryState& state, cons
   const at::Tensor m = (num / den).view({B, Hq, T, D});
   const at::Tensor gate = at::sigmoid(at::matmul(q, L.wg.unsqueeze(-1)) + L.cg.view({1, Hq, 1, 1}));  // [B, Hq, T, 1]
   return gate * m;
+}
+
+void LatentMemory::to(c10::Device device) {
+  for (Layer& L : layers_)
+    for (at::Tensor* t : {&L.wk, &L.wq, &L.theta, &L.wg, &L.cg}) *t = to_device_as_leaf(*t, device);
 }
 
 std::vector<at::Tensor> LatentMemory::parameters() const {

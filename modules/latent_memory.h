@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
 namespace kvbound {
 
@@ -55,6 +55,9 @@ class LatentMemory {
   // tensors must be present with shapes `config` implies, else kvbound::Error naming `source` and the tensor.
   static LatentMemory from_tensors(const std::map<std::string, at::Tensor>& tensors, const ModelConfig& config,
                                    const std::string& source);
+
+  // Moves every tensor to `device` (trainable ones stay trainable leaves); modules live on the run's device.
+  void to(c10::Device device);
 
   // Folds evicted tokens into `state`: k_pre (pre-RoPE keys), v [B, Hkv, E, D], in position order (token
   // E−1 is the newest). Closed form of E one-token updates: Mem ← λ^E Mem + Σ_i λ^(E−1−i) k̂_i v_iᵀ.

@@ -7,7 +7,8 @@
 #include <ATen/ops/normal.h>
 #include <ATen/ops/zeros.h>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
+#include "modules/leaf_tensors.h"
 #include "ops/retention_attention.h"
 
 namespace kvbound {
@@ -75,6 +76,11 @@ at::Tensor RetentionGates::log_beta(std::int64_t layer, const at::Tensor& x) con
   const at::Tensor z = at::linear(h, L.w2) + L.b;  // [B, T, Hkv]
   // logsigmoid, not log(sigmoid): z starts near 8–18, where sigmoid rounds to 1 and log β to 0 exactly.
   return at::log_sigmoid(z).permute({0, 2, 1}).contiguous();
+}
+
+void RetentionGates::to(c10::Device device) {
+  for (Layer& L : layers_)
+    for (at::Tensor* t : {&L.w1, &L.c1, &L.w2, &L.b}) *t = to_device_as_leaf(*t, device);
 }
 
 std::vector<at::Tensor> RetentionGates::parameters() const {

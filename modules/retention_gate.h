@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "modules/backbone.h"
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
 namespace kvbound {
 
@@ -35,6 +35,9 @@ class RetentionGates {
   // with the shapes `config` implies; otherwise kvbound::Error naming `source` and the tensor.
   static RetentionGates from_tensors(const std::map<std::string, at::Tensor>& tensors, const ModelConfig& config,
                                      const std::string& source);
+
+  // Moves every tensor to `device` (trainable ones stay trainable leaves); modules live on the run's device.
+  void to(c10::Device device);
 
   // log β [B, Hkv, T] (float32) for layer `layer` from its normalised input x [B, T, hidden].
   at::Tensor log_beta(std::int64_t layer, const at::Tensor& x) const;

@@ -4,7 +4,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sort.h>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 

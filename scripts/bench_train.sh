@@ -22,7 +22,7 @@ methods() {  # model trimkv_config stage1_config stage2_config batch
   run "$1 trimkv" "$2" "$5"
   run "$1 indexmem-stage1" "$3" "$5"
   run "$1 memory-stage2" "$4" "$5" --set train.init_from="$out/$1_indexmem-stage1"
-  run "$1 joint-stage2" "$4" "$5" --set train.init_from="$out/$1_indexmem-stage1" --set memory.joint=true
+  run "$1 joint-stage2" "$4" "$5" --set train.init_from="$out/$1_indexmem-stage1" --set train.method=joint
 }
 methods stories260K configs/trimkv/stories260k.yaml configs/indexmem/stories260k_stage1.yaml configs/indexmem/stories260k_stage2.yaml 16
 methods SmolLM2-135M configs/trimkv/smollm2.yaml configs/indexmem/smollm2_stage1.yaml configs/indexmem/smollm2_memory.yaml 2

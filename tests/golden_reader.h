@@ -10,7 +10,7 @@
 #include <string>
 
 #include "checkpoints/safetensors_io.h"
-#include "train/train_data.h"
+#include "data/training_rows.h"
 
 namespace kvbound::test {
 

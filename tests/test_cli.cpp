@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "test_env.h"
 
@@ -94,6 +97,24 @@ TEST(Cli, BadInputIsOneLineNamingTheFile) {
   const CliRun r = run("info --model " + gguf.string());
   EXPECT_NE(r.err.find(gguf.string() + ": "), std::string::npos) << r.err;
   fs::remove_all(dir);
+}
+
+// The device is resolved once, before any work: a CUDA device this machine cannot use is one line naming the
+// option or key (on a machine with a GPU, an index it does not have is). A bad spelling likewise.
+TEST(Cli, AnUnavailableDeviceIsOneLineNamingTheKey) {
+  const std::string dir = kvbound::test::asset("stories260K");
+  for (const auto& [args, key] :
+       std::vector<std::pair<std::string, std::string>>{{"generate --model " + quote(dir) + " --device cuda:999", "--device"},
+                                                        {"info --model " + quote(dir) + " --device tpu", "--device"},
+                                                        {"eval --set model.path=" + quote(dir) + " --set eval.text=" +
+                                                             quote(kvbound::test::asset("text/tinystories_valid_first794KB_hf.txt")) +
+                                                             " --set model.device=cuda:999",
+                                                         "config: model.device"}}) {
+    const CliRun r = run(args);
+    EXPECT_EQ(r.code, 1) << args;
+    EXPECT_NE(r.err.find(key + ": "), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
 }
 
 TEST(Cli, InfoCountsTheGgufQuantTypes) {

@@ -9,8 +9,8 @@
 #include <limits>
 #include <sstream>
 
-#include "checkpoints/errors.h"
-#include "train/config.h"
+#include "base/errors.h"
+#include "base/config.h"
 
 namespace fs = std::filesystem;
 using kvbound::Config;

@@ -20,7 +20,7 @@
 #include <numeric>
 #include <optional>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/gguf.h"
 #include "checkpoints/gguf_checkpoint.h"
 #include "checkpoints/gguf_dequant.h"

@@ -17,8 +17,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "checkpoints/errors.h"
-#include "checkpoints/run_checkpoint.h"
+#include "base/errors.h"
+#include "train/run_checkpoint.h"
 #include "checkpoints/safetensors_io.h"
 #include "golden_reader.h"
 #include "losses/streaming_kl.h"
@@ -114,13 +114,22 @@ TEST(Indexer, ExportRoundTripGivesIdenticalScores) {
 
 using test::tiny_model;
 
-PolicyOptions indexmem_options(std::int64_t recent, const std::string& stat, bool pre_evict) {
-  PolicyOptions o;
-  o.indexer = std::make_shared<const Indexer>(Indexer::init(tiny_model().model->config(), {8, "kv", true, false, 0.5}, 3));
-  o.indexmem_recent = recent;
-  o.indexmem_stat = stat;
-  o.indexmem_pre_evict = pre_evict;
-  return o;
+std::shared_ptr<const Indexer> random_indexer() {
+  static const auto indexer =
+      std::make_shared<const Indexer>(Indexer::init(tiny_model().model->config(), {8, "kv", true, false, 0.5}, 3));
+  return indexer;
+}
+
+TrainedModules with_indexer() {
+  TrainedModules m;
+  m.add<Indexer>(random_indexer());
+  return m;
+}
+
+Config indexmem_config(std::int64_t recent, const std::string& stat, bool pre_evict, std::int64_t horizon = 16) {
+  return policy_config({"indexmem.recent=" + std::to_string(recent), "indexmem.stat=" + stat,
+                        std::string("indexmem.pre_evict=") + (pre_evict ? "true" : "false"),
+                        "indexmem.horizon=" + std::to_string(horizon)});
 }
 
 // Around the budgeted cache: a pre-evicting policy must have cut the older entries to `budget` (the
@@ -158,14 +167,14 @@ struct KeepCheck : AttentionHook {
 };
 
 // Prefill in chunks of 5, then decode one token at a time: every step checked by KeepCheck.
-at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, const PolicyOptions& o) {
+at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, const Config& o) {
   const test::TinyModel& f = tiny_model();
-  auto policy = make_policy(policy_name, o);
+  auto policy = make_policy(policy_name, o, with_indexer());
   BudgetedCache budgeted(*policy, budget);
   KeepCheck check;
   check.inner = &budgeted;
   check.budget = policy->bounded() ? budget : 1 << 20;
-  check.recent = o.indexmem_recent;
+  check.recent = o.get_int("indexmem.recent");
   check.pre_evict = policy->pre_evicts();
   KVCache cache = f.model->make_cache();
   std::vector<at::Tensor> out;
@@ -177,11 +186,11 @@ at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, const
 TEST(IndexMemPolicy, KeepsExactlyTheBudgetWithTheRecentWindowInEveryMode) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const at::NoGradGuard no_grad;
-  const at::Tensor full = run_engine("full", 1000, indexmem_options(0, "mean", true));
+  const at::Tensor full = run_engine("full", 1000, indexmem_config(0, "mean", true));
   for (const bool pre_evict : {true, false}) {
     for (const std::string stat : {"mean", "max"}) {
       SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
-      const PolicyOptions o = indexmem_options(8, stat, pre_evict);
+      const Config o = indexmem_config(8, stat, pre_evict);
       EXPECT_GT((run_engine("indexmem", 12, o) - full).abs().max().item<double>(), 1e-3);
       EXPECT_TRUE(at::equal(run_engine("indexmem", 60, o), full));
     }
@@ -217,9 +226,8 @@ TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
   for (const bool pre_evict : {true, false}) {
     for (const std::string stat : {"mean", "max", "decayed"}) {
       SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
-      PolicyOptions o = indexmem_options(0, stat == "max" ? "max" : "mean", pre_evict);
-      o.indexmem_horizon = stat == "decayed" ? 5 : 0;
-      auto policy = make_policy("indexmem", o);
+      const Config o = indexmem_config(0, stat == "max" ? "max" : "mean", pre_evict, stat == "decayed" ? 5 : 0);
+      auto policy = make_policy("indexmem", o, with_indexer());
       ScoreProbe probe;
       probe.policy = policy.get();
       KVCache cache = f.model->make_cache();
@@ -231,7 +239,7 @@ TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
       };
       const at::Tensor x = whole(&AttentionCall::normed_input), q = whole(&AttentionCall::q_pre_rope);
       const at::Tensor pos = whole(&AttentionCall::positions);
-      const Indexer& ix = *o.indexer;
+      const Indexer& ix = *random_indexer();
       const std::int64_t hkv = f.model->config().num_kv_heads;
       const at::Tensor I = ix.score(ix.query(0, q, pos), ix.head_weights(0, x), ix.key(0, x, pos).expand({-1, hkv, -1, -1}))
                                .to(at::kDouble);  // [1, Hkv, S, T]
@@ -241,14 +249,15 @@ TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
       const at::Tensor want = stat == "max"
                                   ? I.masked_fill(later.logical_not(), -std::numeric_limits<double>::infinity()).amax(2)
                                   : (I * w).sum(2) / w.sum(2);
-      EXPECT_TRUE(at::allclose(probe.scores, want, 1e-5, 1e-6)) << (probe.scores - want).abs().max();
+      const at::Tensor got = probe.scores.to(at::kDouble);  // float32 statistics against a float64 reference
+      EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << (got - want).abs().max();
     }
   }
 }
 
 TEST(IndexMemPolicy, NeedsAnIndexer) {
   try {
-    make_policy("indexmem", PolicyOptions{});
+    make_policy("indexmem", policy_config(), {});
     FAIL() << "indexmem without an indexer accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("indexmem.weights"), std::string::npos) << e.what();
@@ -288,7 +297,7 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
 }
 
 // Stage 2 from stage 1's run folder (train.init_from): the memory under the frozen indexer, then jointly
-// with it (L_KL + lambda_mse · L_MSE, resumable bit for bit); both export, and the joint file serves as
+// with it (train.method joint: L_KL + lambda_mse · L_MSE, resumable bit for bit); both export, and the joint file serves as
 // indexer and memory in eval.
 TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   const auto cli = test::stories260k_cli();
@@ -300,14 +309,14 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   ASSERT_EQ(test::run_kvbound("train " + (dir / "stage1.yaml"), &out, &err), 0) << err;
   const auto stage1 = read_safetensors(latest_checkpoint_path(dir / "stage1"));
 
-  auto stage2_yaml = [&](const std::string& name, const std::string& memory_keys) {
+  auto stage2_yaml = [&](const std::string& name, const std::string& method) {
     std::ofstream(dir / (name + ".yaml")) << test::tiny_train_yaml(
-        cli, "  method: memory\n  steps: 2\n  init_from: " + (dir / "stage1") + "\n",
-        indexer_keys + "  lambda_mse: 0.5\n  lr: 1.0e-3\nmemory:\n  dim: 8\n  policy: indexmem\n  budgets: [8, 12]\n  chunk: 4\n" +
-            memory_keys + "run:\n  out_dir: " + (dir / name) + "\n");
+        cli, "  method: " + method + "\n  steps: 2\n  init_from: " + (dir / "stage1") + "\n",
+        indexer_keys + "joint:\n  lambda_mse: 0.5\n  indexer_lr: 1.0e-3\nmemory:\n  dim: 8\n  policy: indexmem\n"
+                       "  budgets: [8, 12]\n  chunk: 4\nrun:\n  out_dir: " + (dir / name) + "\n");
     return "train " + (dir / (name + ".yaml"));
   };
-  ASSERT_EQ(test::run_kvbound(stage2_yaml("frozen", ""), &out, &err), 0) << err;
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("frozen", "memory"), &out, &err), 0) << err;
   for (const auto& j : test::read_jsonl(dir / "frozen/metrics.jsonl")) {
     EXPECT_GT(j["mse"].get<double>(), 0.0) << j.dump();
     EXPECT_FALSE(j.contains("kl")) << j.dump();
@@ -317,7 +326,7 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   EXPECT_EQ(frozen.tensors.size(), 5u * 5u);  // the memory only: the indexer stayed stage 1's
   EXPECT_EQ(frozen.metadata.at("memory_policy"), "indexmem");
 
-  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint", "  joint: true\n"), &out, &err), 0) << err;
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint", "joint"), &out, &err), 0) << err;
   const auto lines = test::read_jsonl(dir / "joint/metrics.jsonl");
   ASSERT_EQ(lines.size(), 2u);
   for (const auto& j : lines) {
@@ -326,8 +335,8 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
     EXPECT_NEAR(j["loss"].get<double>(), j["kl"].get<double>() + 0.5 * j["mse"].get<double>(), 1e-6) << j.dump();
   }
   // Stopped after one update and resumed: the same indexer, memory and AdamW moments, bit for bit.
-  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint_resumed", "  joint: true\n") + " --stop-after 1", &out, &err), 0) << err;
-  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint_resumed", "  joint: true\n") + " --resume", &out, &err), 0) << err;
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint_resumed", "joint") + " --stop-after 1", &out, &err), 0) << err;
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("joint_resumed", "joint") + " --resume", &out, &err), 0) << err;
   const auto straight = read_safetensors(latest_checkpoint_path(dir / "joint"));
   const auto resumed = read_safetensors(latest_checkpoint_path(dir / "joint_resumed"));
   ASSERT_EQ(straight.tensors.size(), resumed.tensors.size());
@@ -338,7 +347,7 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   EXPECT_EQ(joint.tensors.size(), 5u * 4u + 5u * 5u);  // indexer and memory
   EXPECT_EQ(joint.metadata.at("method"), "joint");
   EXPECT_EQ(joint.metadata.at("d_index"), "8");
-  EXPECT_DOUBLE_EQ(std::stod(joint.metadata.at("indexer_lr_scale")), 0.5);  // indexmem.lr 1e-3 / train.lr 2e-3
+  EXPECT_DOUBLE_EQ(std::stod(joint.metadata.at("indexer_lr_scale")), 0.5);  // joint.indexer_lr 1e-3 / train.lr 2e-3
   const std::string wk = "model.layers.0.self_attn.indexer.wk";
   EXPECT_FALSE(at::equal(joint.tensors.at(wk), stage1.tensors.at(wk))) << "the joint stage did not train the indexer";
 
@@ -359,7 +368,7 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   // Resuming under other stage-1 weights than the run started from is refused.
   const std::string stage1_file = dir / "stage1.safetensors";
   ASSERT_EQ(test::run_kvbound("export " + (dir / "stage1") + " --out " + stage1_file, &out, &err), 0) << err;
-  const std::string moved = stage2_yaml("moved", "") + " --set train.init_from=" + stage1_file;
+  const std::string moved = stage2_yaml("moved", "memory") + " --set train.init_from=" + stage1_file;
   ASSERT_EQ(test::run_kvbound(moved + " --stop-after 1", &out, &err), 0) << err;
   fs::copy_file(file, stage1_file, fs::copy_options::overwrite_existing);  // another indexer (the joint one)
   EXPECT_NE(test::run_kvbound(moved + " --resume", &out, &err), 0);
@@ -368,11 +377,11 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   // What stage 2 needs is named when it is missing or does not fit.
   const std::pair<std::string, std::string> bad[] = {
       {"--set train.init_from=", "train.init_from"},  // a learned base policy without stage 1
-      {"--set memory.policy=h2o --set memory.joint=true --set train.init_from=", "memory.joint"},
+      {"--set train.method=joint --set train.init_from=", "train.init_from"},  // joint starts from stage 1 too
       {"--set train.method=indexmem", "train.init_from"},  // init_from is stage 2's
       {"--set train.init_from=" + (dir / "nope"), "train.init_from: " + (dir / "nope")}};
   for (const auto& [sets, key] : bad) {
-    EXPECT_NE(test::run_kvbound(stage2_yaml("bad", "") + " " + sets, &out, &err), 0) << sets;
+    EXPECT_NE(test::run_kvbound(stage2_yaml("bad", "memory") + " " + sets, &out, &err), 0) << sets;
     EXPECT_NE(err.find(key), std::string::npos) << sets << ": " << err;
   }
 }

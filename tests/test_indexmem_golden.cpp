@@ -109,7 +109,7 @@ TEST(IndexMemGolden, MemoryMSEEqualsThePythonFormulas) {
   std::istringstream budgets(golden.metadata.at("budgets"));
   for (std::string b; std::getline(budgets, b, ',');) s.budgets.push_back(std::stoll(b));
   s.chunk = meta_int(golden, "chunk");
-  s.policy_options.sinks = meta_int(golden, "sinks");
+  s.policy_config = policy_config({"streaming_llm.sinks=" + std::to_string(meta_int(golden, "sinks"))});
   MemoryMethod method(*model, s, 0);
   load_parameters(method.named_parameters(), weights);
   const StepLoss loss = method.loss(test::golden_batch(golden));

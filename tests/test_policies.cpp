@@ -16,6 +16,7 @@
 #include "golden_reader.h"
 #include "modules/backbone.h"
 #include "modules/budgeted_cache.h"
+#include "modules/memory_cache.h"
 #include "modules/indexer.h"
 #include "modules/retention_gate.h"
 #include "modules/policies/registry.h"
@@ -31,7 +32,7 @@ using test::tiny_model;
 // Checks the invariants after every layer's eviction (the peak, M + C, is checked via peak_entries): the
 // cache is back to M after every chunk, or for a pre-evicting policy before every chunk (M + chunk after it).
 struct InvariantCheck : AttentionHook {
-  BudgetedCache* inner;
+  AttentionHook* inner;
   std::int64_t budget, chunk;
   bool bounded, pre_evicts;
   void before_attention(AttentionCall& call, KVCache& cache) override {
@@ -46,20 +47,22 @@ struct InvariantCheck : AttentionHook {
   }
 };
 
+// A random latent memory with an open gate (bias 2), so "+mem" changes the output once something is evicted.
+std::shared_ptr<const LatentMemory> open_memory() {
+  LatentMemorySettings s;
+  s.gate_bias_init = 2;
+  static const auto memory = std::make_shared<const LatentMemory>(LatentMemory::init(tiny_model().model->config(), s, 4));
+  return memory;
+}
+
 // Chunked prefill of the first `prefill` tokens, then token-by-token decode; returns every logit.
 at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
                       std::uint64_t seed, std::int64_t* peak = nullptr) {
   const test::TinyModel& f = tiny_model();
-  PolicyOptions options;
-  options.seed = seed;
-  options.snapkv_window = 6;
-  // trimkv: random gates with spread-out retention (bias 2, std 0.5) so the scores differ per token.
-  options.trimkv_gates = std::make_shared<const RetentionGates>(RetentionGates::init(f.model->config(), {16, 2.0, 0.5}, 9));
-  options.indexer = std::make_shared<const Indexer>(Indexer::init(f.model->config(), {8, "kv", true, false, 0.5}, 9));
-  auto policy = make_policy(name, options);
-  BudgetedCache budgeted(*policy, budget);
+  auto policy = make_policy(name, policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), seed);
+  BudgetedHook hook(*policy, budget);  // with the latent memory for "+mem"
   InvariantCheck check;
-  check.inner = &budgeted;
+  check.inner = hook.get();
   check.budget = budget;
   check.chunk = chunk;
   check.bounded = policy->bounded();
@@ -70,7 +73,7 @@ at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t
   for (std::int64_t s = 0; s < prefill; s += chunk)
     out.push_back(f.model->forward(f.tokens.narrow(1, s, std::min(chunk, prefill - s)), cache, &check));
   for (std::int64_t t = prefill; t < T; ++t) out.push_back(f.model->forward(f.tokens.narrow(1, t, 1), cache, &check));
-  if (peak) *peak = budgeted.peak_entries();
+  if (peak) *peak = hook.budgeted().peak_entries();
   return at::cat(out, 1);
 }
 
@@ -97,14 +100,31 @@ TEST_P(EveryPolicy, BudgetAtLeastTheLengthEqualsFull) {
   EXPECT_TRUE(at::equal(run_policy(GetParam(), 60, 7, 30, 3), full));
 }
 
-TEST_P(EveryPolicy, TightBudgetChangesTheOutput) {
-  if (GetParam() == "full") GTEST_SKIP() << "full never evicts";
+// A bounded policy under a budget far below the length changes the logits; the unbounded one (full) never does.
+TEST_P(EveryPolicy, TightBudgetChangesTheOutputOfEveryBoundedPolicy) {
   const at::Tensor full = run_policy("full", 1000, 4, 12, 0);
-  EXPECT_GT((run_policy(GetParam(), 6, 4, 12, 3) - full).abs().max().item<double>(), 1e-3);
+  const double change = (run_policy(GetParam(), 6, 4, 12, 3) - full).abs().max().item<double>();
+  if (make_policy(GetParam(), policy_config(), test::tiny_learned_modules(open_memory()))->bounded())
+    EXPECT_GT(change, 1e-3);
+  else
+    EXPECT_EQ(change, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Registry, EveryPolicy, ::testing::ValuesIn(policy_names()),
-                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+// Every registered policy, and every bounded one with the latent memory attached ("+mem": the unbounded
+// reference has nothing to evict into a memory, so full+mem is refused, see MemPolicy tests).
+std::vector<std::string> matrix_policies() {
+  std::vector<std::string> names = policy_names();
+  for (const std::string& name : policy_names())
+    if (name != "full") names.push_back(name + "+mem");
+  return names;
+}
+
+INSTANTIATE_TEST_SUITE_P(Registry, EveryPolicy, ::testing::ValuesIn(matrix_policies()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           const auto plus = name.find('+');
+                           return plus == std::string::npos ? name : name.substr(0, plus) + "_mem";
+                         });
 
 // Captures every layer's post-RoPE q and k of one full forward.
 struct Capture : AttentionHook {
@@ -126,9 +146,9 @@ at::Tensor full_attention(const Capture& c, std::int64_t layer, std::int64_t Hkv
 }
 
 // Runs `name` with no eviction in chunks of 7 and returns its scores for every layer at the end.
-std::vector<at::Tensor> policy_scores(const std::string& name, Capture* capture, PolicyOptions options = {}) {
+std::vector<at::Tensor> policy_scores(const std::string& name, Capture* capture, const Config& config = policy_config()) {
   const test::TinyModel& f = tiny_model();
-  auto policy = make_policy(name, options);
+  auto policy = make_policy(name, config, test::tiny_learned_modules());
   struct ScoreAtEnd : AttentionHook {
     BudgetedCache* budgeted;
     EvictionPolicy* policy;
@@ -160,9 +180,7 @@ std::vector<at::Tensor> policy_scores(const std::string& name, Capture* capture,
 TEST(PolicyScores, H2OIsMeanReceivedAttention) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   Capture cap;
-  PolicyOptions o;
-  o.recent = 0;
-  const auto scores = policy_scores("h2o", &cap, o);
+  const auto scores = policy_scores("h2o", &cap, policy_config({"h2o.recent=0"}));
   const std::int64_t T = tiny_model().tokens.size(1), Hkv = tiny_model().model->config().num_kv_heads;
   for (std::int64_t l = 0; l < tiny_model().model->config().num_layers; ++l) {
     const at::Tensor A = full_attention(cap, l, Hkv);  // [Hkv, G, T, T]
@@ -186,9 +204,7 @@ TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
 TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   Capture cap;
-  PolicyOptions o;
-  o.snapkv_window = 9;  // spans two chunks of 7
-  const auto scores = policy_scores("snapkv", &cap, o);
+  const auto scores = policy_scores("snapkv", &cap, policy_config({"snapkv.window=9"}));  // spans two chunks of 7
   const std::int64_t T = tiny_model().tokens.size(1), Hkv = tiny_model().model->config().num_kv_heads;
   for (std::int64_t l = 0; l < tiny_model().model->config().num_layers; ++l) {
     const at::Tensor votes = full_attention(cap, l, Hkv).narrow(2, T - 9, 9).mean({1, 2});  // [Hkv, T]
@@ -209,7 +225,7 @@ TEST(BudgetedCacheEngine, FullThroughTheEngineEqualsOnePlainForwardForAnyChunkSi
   KVCache plain = f.model->make_cache();
   const at::Tensor expected = f.model->forward(f.tokens, plain);
   for (std::int64_t chunk : {1, 3, 16, 60}) {
-    auto policy = make_policy("full", {});
+    auto policy = make_policy("full", policy_config(), {});
     BudgetedCache budgeted(*policy, 4);
     KVCache cache = f.model->make_cache();
     std::vector<at::Tensor> out;

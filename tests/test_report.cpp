@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "eval/plots.h"
-#include "eval/progress.h"
+#include "base/progress.h"
 #include "eval/results.h"
 
 using namespace kvbound;

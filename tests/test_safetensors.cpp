@@ -6,7 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/model_loader.h"
 #include "checkpoints/safetensors_format.h"
 #include "modules/backbone.h"

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/safetensors_format.h"
 #include "checkpoints/safetensors_io.h"
 

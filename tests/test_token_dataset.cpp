@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "data/token_dataset.h"
 #include "data/tokenizer.h"
 #include "test_env.h"

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "data/bpe_tokenizer.h"
 #include "data/llama2c_tokenizer.h"
 #include "data/tokenizer.h"

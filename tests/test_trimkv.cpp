@@ -12,7 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "data/tokenizer.h"
 #include "losses/capacity.h"
@@ -23,7 +23,7 @@
 #include "test_env.h"
 #include "tiny_cli_runs.h"
 #include "train/optimizer.h"
-#include "train/train_data.h"
+#include "data/training_rows.h"
 #include "train/trimkv_method.h"
 
 namespace kvbound {

@@ -3,13 +3,20 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/tensor.h>
 
+#include "base/errors.h"
 #include "losses/streaming_kl.h"
-#include "modules/policies/registry.h"
 #include "ops/pooled_attention_importance.h"
 #include "ops/pooled_index_score.h"
+#include "train/method_registry.h"
 
 namespace kvbound {
 namespace {
+
+TrainedModules live(const std::shared_ptr<Indexer>& indexer) {
+  TrainedModules m;
+  m.add<Indexer>(indexer);
+  return m;
+}
 
 // Captures, per layer of one plain forward over whole rows, the teacher target and the indexer's inputs.
 // before_attention of a fresh cache sees exactly the full-sequence q [B, Hq, T, D] and k [B, Hkv, T, D].
@@ -31,13 +38,30 @@ class TeacherCapture final : public AttentionHook {
 
 }  // namespace
 
+IndexMemSettings indexmem_settings(const Config& c, const IndexerSettings& indexer) {
+  IndexMemSettings m;
+  m.indexer = indexer;
+  m.pool_name = c.get_string("indexmem.pool");
+  if (m.pool_name != "mean" && m.pool_name != "max" && m.pool_name != "logsumexp")
+    fail("config", "indexmem.pool", "'" + m.pool_name + "' (mean, max, logsumexp)");
+  m.pool = ops::parse_pool_mode(m.pool_name);
+  m.window = c.get_int("indexmem.window");
+  m.min_gap = c.get_int("indexmem.min_gap");
+  if (m.min_gap < 0) fail("config", "indexmem.min_gap", "must be >= 0");
+  m.policy_config = c;
+  return m;
+}
+
 IndexMemIndexerMethod::IndexMemIndexerMethod(const Backbone& model, const IndexMemSettings& settings, std::uint64_t seed)
-    : model_(model), settings_(settings),
-      indexer_(std::make_shared<Indexer>(Indexer::init(model.config(), settings.indexer, seed))) {}
+    : IndexMemIndexerMethod(model, settings,
+                            std::make_shared<Indexer>(Indexer::init(model.config(), settings.indexer, seed))) {}
 
 IndexMemIndexerMethod::IndexMemIndexerMethod(const Backbone& model, const IndexMemSettings& settings,
                                              std::shared_ptr<Indexer> indexer)
-    : model_(model), settings_(settings), indexer_(std::move(indexer)) {}
+    : model_(model), settings_(settings), indexer_(std::move(indexer)),
+      policy_("indexmem", settings.policy_config, live(indexer_)) {
+  indexer_->to(model.device());
+}
 
 StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
   // Ω(t) is "the last W queries of the row", so a padded row must not count its padding as queries: rows
@@ -52,9 +76,10 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
   std::vector<at::Tensor> layer_kl(static_cast<std::size_t>(num_layers));
   std::int64_t rows = 0;
   for (const auto& [L, members] : groups) {
-    const at::Tensor valid = ops::pooled_valid_keys(L, settings_.window, settings_.min_gap);
+    const at::Tensor valid = ops::pooled_valid_keys(L, settings_.window, settings_.min_gap);  // [L] bool, CPU
     if (L < 1 || !valid.any().item<bool>()) continue;
-    const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong));
+    const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong)).to(batch.inputs.device());
+    const at::Tensor valid_here = valid.to(batch.inputs.device());
     TeacherCapture teacher(settings_);
     {
       const at::NoGradGuard no_grad;
@@ -69,18 +94,12 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
       const at::Tensor w = indexer_->head_weights(l, teacher.normed_input[i]);
       const at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
                                                    settings_.indexer.relu);
-      const at::Tensor kl = losses::streaming_kl(teacher.importance[i], z, valid) * static_cast<double>(n);
+      const at::Tensor kl = losses::streaming_kl(teacher.importance[i], z, valid_here) * static_cast<double>(n);
       layer_kl[i] = layer_kl[i].defined() ? layer_kl[i] + kl : kl;
     }
     rows += n;
   }
   return layer_mean_loss(std::move(layer_kl), static_cast<double>(rows), "kl", indexer_->parameters());
-}
-
-std::unique_ptr<EvictionPolicy> IndexMemIndexerMethod::eval_policy() const {
-  PolicyOptions o = settings_.policy_options;
-  o.indexer = indexer_;
-  return make_policy("indexmem", o);
 }
 
 std::map<std::string, std::string> IndexMemIndexerMethod::metadata() const {
@@ -96,11 +115,66 @@ std::map<std::string, std::string> IndexMemIndexerMethod::metadata() const {
             {"pool", settings_.pool_name},
             {"window", std::to_string(settings_.window)},
             {"min_gap", std::to_string(settings_.min_gap)},
-            {"recent", std::to_string(settings_.policy_options.indexmem_recent)},
-            {"stat", settings_.policy_options.indexmem_stat},
-            {"horizon", std::to_string(settings_.policy_options.indexmem_horizon)},
-            {"pre_evict", settings_.policy_options.indexmem_pre_evict ? "true" : "false"}});
+            {"recent", std::to_string(settings_.policy_config.get_int("indexmem.recent"))},
+            {"stat", settings_.policy_config.get_string("indexmem.stat")},
+            {"horizon", std::to_string(settings_.policy_config.get_int("indexmem.horizon"))},
+            {"pre_evict", settings_.policy_config.get_bool("indexmem.pre_evict") ? "true" : "false"}});
   return m;
 }
 
+namespace methods {
+namespace {
+
+IndexerSettings indexer_settings_of(const Config& c) {
+  IndexerSettings s;
+  s.d_index = c.get_int("indexmem.d_index");
+  s.key_heads = c.get_string("indexmem.key_heads");
+  s.rope = c.get_bool("indexmem.rope");
+  s.relu = c.get_bool("indexmem.relu");
+  return s;
+}
+
+void load_indexer(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
+                  TrainedModules& modules) {
+  try {
+    auto indexer = std::make_shared<Indexer>(
+        Indexer::from_tensors(file.tensors, model.config(), indexer_settings(file.metadata, path), path));
+    indexer->to(model.device());
+    modules.add<Indexer>(indexer);
+  } catch (const Error& e) {
+    throw Error(key + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+extern const MethodRegistration indexmem{
+    "indexmem",
+    "IndexMem stage 1: the learned indexer (streaming KL to the pooled attention); evaluated by the indexmem policy",
+    nullptr,
+    {"indexmem.weights"},
+    [](ConfigSchema& s) {
+      s.add("indexmem.d_index", ConfigType::Int, "32", "indexer key/query size d_I (16..64; even with rope)")
+          .add("indexmem.key_heads", ConfigType::String, "kv", "indexer keys: kv (one per KV head) | 1 (one shared key)")
+          .add("indexmem.rope", ConfigType::Bool, "true", "RoPE on the indexer's queries and keys")
+          .add("indexmem.relu", ConfigType::Bool, "false", "ReLU on indexer logits before the head-weighted sum")
+          .add("indexmem.pool", ConfigType::String, "mean", "pooling over each key's query window: mean | max | logsumexp")
+          .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
+          .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap");
+    },
+    [](ConfigSchema& s) {
+      s.add("indexmem.weights", ConfigType::String, "\"\"",
+            "indexmem: indexer file from `kvbound export` (required by policy indexmem)");
+    },
+    [](const Config&) { return std::string("indexmem"); },
+    [](MethodSetup& setup) -> std::unique_ptr<TrainingMethod> {
+      return std::make_unique<IndexMemIndexerMethod>(
+          setup.model, indexmem_settings(setup.config, indexer_settings_of(setup.config)), setup.seed);
+    },
+    load_indexer,
+    [](const Config& c, const Backbone& model, TrainedModules& modules, std::map<std::string, std::string>& meta) {
+      load_weights_key(c, "indexmem.weights", model, modules, meta, load_indexer);
+    }};
+
+}  // namespace methods
 }  // namespace kvbound

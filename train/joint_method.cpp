@@ -1,14 +1,16 @@
 #include "train/joint_method.h"
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
+#include "modules/indexer.h"
+#include "train/method_registry.h"
 
 namespace kvbound {
 
 JointMethod::JointMethod(std::unique_ptr<IndexMemIndexerMethod> indexer, std::unique_ptr<MemoryMethod> memory,
                          double lambda_mse, double indexer_lr_scale)
     : indexer_(std::move(indexer)), memory_(std::move(memory)), lambda_mse_(lambda_mse), indexer_lr_scale_(indexer_lr_scale) {
-  if (!(lambda_mse >= 0)) fail("config", "indexmem.lambda_mse", "must be >= 0");
-  if (!(indexer_lr_scale > 0)) fail("config", "indexmem.lr", "must be > 0");
+  if (!(lambda_mse >= 0)) fail("config", "joint.lambda_mse", "must be >= 0");
+  if (!(indexer_lr_scale > 0)) fail("config", "joint.indexer_lr", "must be > 0");
 }
 
 double JointMethod::lr_scale(const std::string& name) const {
@@ -44,4 +46,50 @@ std::map<std::string, std::string> JointMethod::metadata() const {
   return m;
 }
 
+namespace methods {
+namespace {
+
+std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
+  const Config& c = setup.config;
+  load_init_from(setup, find_method("indexmem"));
+  // The stage-1 indexer (its own settings; the KL target from this config's indexmem.*) becomes the trainable
+  // one. The copy shares the loaded tensors, which nothing else holds: making them leaves is enough.
+  auto indexer = std::make_shared<Indexer>(*setup.init_modules.find<Indexer>());
+  for (at::Tensor& p : indexer->parameters()) p.set_requires_grad(true);
+  auto kl = std::make_unique<IndexMemIndexerMethod>(setup.model, indexmem_settings(c, indexer->settings()), indexer);
+  // The memory replays the indexmem policy with the live indexer, so it learns what the indexer evicts now.
+  MemorySettings m = memory_settings(setup);
+  m.policy = "indexmem";
+  m.base_modules = TrainedModules();
+  m.base_modules.add<Indexer>(indexer);
+  return std::make_unique<JointMethod>(std::move(kl), std::make_unique<MemoryMethod>(setup.model, m, setup.seed),
+                                       c.get_float("joint.lambda_mse"), c.get_float("joint.indexer_lr") / c.get_float("train.lr"));
+}
+
+// A joint export holds an indexer and a memory: it serves as indexmem.weights and as memory.weights.
+void load_both(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
+               TrainedModules& modules) {
+  find_method("indexmem").load(file, path, key, model, modules);
+  find_method("memory").load(file, path, key, model, modules);
+}
+
+}  // namespace
+
+extern const MethodRegistration joint{
+    "joint",
+    "IndexMem stage 2, joint: the stage-1 indexer (train.init_from) and the latent memory, L_KL + lambda * L_MSE; "
+    "evaluated by indexmem+mem",
+    "indexmem",
+    {"indexmem.weights", "memory.weights"},
+    [](ConfigSchema& s) {
+      s.add("joint.lambda_mse", ConfigType::Float, "1.0", "weight of L_MSE in L_KL + lambda_mse * L_MSE")
+          .add("joint.indexer_lr", ConfigType::Float, "2e-3", "the indexer's peak learning rate (train.lr: the memory's)");
+    },
+    [](ConfigSchema&) {},  // its export is read through indexmem.weights and memory.weights
+    [](const Config&) { return std::string("indexmem+mem"); },
+    make,
+    load_both,
+    [](const Config&, const Backbone&, TrainedModules&, std::map<std::string, std::string>&) {}};
+
+}  // namespace methods
 }  // namespace kvbound

@@ -5,6 +5,7 @@
 // what the current indexer throws away. The eviction choice is not differentiable: the indexer's gradient
 // comes from L_KL alone, the memory's from L_MSE alone; the sum shares one optimizer, clip and schedule,
 // with the indexer's learning rate scaled (it was trained at a smaller rate than the memory's gate needs).
+// Registered as train.method joint, starting from an indexmem run (train.init_from); evaluated by indexmem+mem.
 #pragma once
 #include <memory>
 

@@ -1,16 +1,12 @@
 #include "train/memory_method.h"
 
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/ones.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 
-#include <optional>
-
-#include "checkpoints/errors.h"
+#include "base/errors.h"
+#include "losses/memory_mse.h"
 #include "modules/budgeted_cache.h"
 #include "modules/memory_cache.h"
-#include "modules/policies/registry.h"
+#include "train/method_registry.h"
 
 namespace kvbound {
 namespace {
@@ -34,36 +30,27 @@ AttentionCall chunk_of(const AttentionCall& full, std::int64_t s, std::int64_t n
   c.q_pre_rope = full.q_pre_rope.narrow(2, s, n);
   c.k_pre_rope = full.k_pre_rope.narrow(2, s, n);
   c.positions = full.positions.narrow(0, s, n);
+  c.start = full.start + s;
   return c;
 }
 
-// The chunk's attention over the layer's cache (already holding the chunk), with the backbone's mask rule:
-// every cached entry precedes the chunk, so "all cached + causal within the chunk".
-at::Tensor attend(const AttentionCall& call, const KVCache& cache) {
-  const std::int64_t T = call.q.size(2), cached = cache.size(call.layer) - T;
-  std::optional<at::Tensor> mask;
-  bool causal = false;
-  if (T > 1 && cached == 0) {
-    causal = true;
-  } else if (T > 1) {
-    const auto opts = at::TensorOptions().dtype(at::kBool);
-    mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
-  }
-  return at::scaled_dot_product_attention(call.q, cache.keys(call.layer), cache.values(call.layer), mask, 0.0, causal,
-                                          std::nullopt, /*enable_gqa=*/call.q.size(1) != call.k.size(1));
+TrainedModules with_live_memory(TrainedModules modules, const std::shared_ptr<LatentMemory>& memory) {
+  modules.add<LatentMemory>(memory);
+  return modules;
 }
 
 }  // namespace
 
 MemoryMethod::MemoryMethod(const Backbone& model, const MemorySettings& settings, std::uint64_t seed)
-    : model_(model), settings_(settings),
-      memory_(std::make_shared<LatentMemory>(LatentMemory::init(model.config(), settings.memory, seed))) {
+    : model_(model), settings_(settings), seed_(seed),
+      memory_(std::make_shared<LatentMemory>(LatentMemory::init(model.config(), settings.memory, seed))),
+      base_(settings.policy, settings.policy_config, settings.base_modules),
+      with_memory_(settings.policy + "+mem", settings.policy_config, with_live_memory(settings.base_modules, memory_)) {
+  memory_->to(model.device());
   if (settings.chunk < 1) fail("config", "memory.chunk", "must be >= 1");
   if (settings.budgets.empty()) fail("config", "memory.budgets", "needs at least one budget");
   for (std::int64_t b : settings.budgets)
     if (b < 1) fail("config", "memory.budgets", "every budget must be >= 1, got " + std::to_string(b));
-  if (!make_policy(settings.policy, settings.policy_options)->bounded())
-    fail("config", "memory.policy", "'" + settings.policy + "' never evicts: nothing would reach the memory");
 }
 
 StepLoss MemoryMethod::loss(const Batch& batch) {
@@ -77,53 +64,47 @@ StepLoss MemoryMethod::loss(const Batch& batch) {
   const std::int64_t num_layers = c.num_layers, T = batch.inputs.size(1);
   // Padding and a document's last token carry no weight; padding only ever follows real tokens.
   const at::Tensor real = batch.weights.gt(0).to(at::kFloat).view({batch.inputs.size(0), 1, T, 1});
+  const at::Tensor real_per_position = batch.weights.gt(0).sum(0).to(at::kCPU);  // [T], for the element counts
+  const auto real_at = real_per_position.accessor<std::int64_t, 1>();
   std::vector<at::Tensor> layer_mse(static_cast<std::size_t>(num_layers));
   std::int64_t budgets_used = 0;
   for (std::int64_t budget : settings_.budgets) {
     // The engine's hook, driven chunk by chunk with the teacher's q/k/v instead of a forward.
-    auto policy = make_policy(settings_.policy, settings_.policy_options);
+    auto policy = base_.make(seed_);
     BudgetedCache budgeted(*policy, budget);
     MemoryAugmentedCache hook(budgeted, memory_);
     KVCache cache = model_.make_cache();
-    std::vector<at::Tensor> sse(static_cast<std::size_t>(num_layers));
-    double elements = 0;
+    losses::MemoryMSE mse(num_layers);
     for (std::int64_t s = 0; s < T; s += settings_.chunk) {
       const std::int64_t n = std::min(settings_.chunk, T - s);
       // Before the first eviction o equals o_full and the memory is empty: such chunks teach nothing. Every
-      // layer holds as many entries, so layer 0 decides for the chunk: evicted before its attention (a
-      // pre-evicting policy) or after an earlier chunk's.
+      // layer holds as many entries, so layer 0 decides for the chunk whether its attention ran after an
+      // eviction: one of an earlier chunk, or this chunk's own pre-eviction (a pre-evicting policy cuts only
+      // before attention; any other policy's cut during this call came after the chunk's attention).
+      const std::int64_t evictions_before = budgeted.evictions();
       bool scored = false;
       const at::Tensor mask = real.narrow(2, s, n);
       for (std::int64_t l = 0; l < num_layers; ++l) {
         const AttentionCall& full = teacher.calls[static_cast<std::size_t>(l)];
         AttentionCall call = chunk_of(full, s, n);
-        hook.before_attention(call, cache);  // a pre-evicting policy's cut (writing the memory)
-        if (l == 0) scored = budgeted.evictions() > 0;
-        cache.append(l, call.k, call.v, call.positions);
-        call.output = attend(call, cache);
-        hook.after_attention(call, cache);  // read, evict (writing the memory), o += g·m: the eval's order
-        if (!scored) continue;
-        const at::Tensor err = (call.output.to(at::kFloat) - full.output.narrow(2, s, n).to(at::kFloat)) * mask;
-        at::Tensor& e = sse[static_cast<std::size_t>(l)];
-        e = e.defined() ? e + err.pow(2).sum() : err.pow(2).sum();
+        attend_over_cache(call, cache, &hook);  // the eval's order: pre-evict, attend, read, evict, o += g·m
+        if (l == 0)
+          scored = evictions_before > 0 || (policy->pre_evicts() && budgeted.evictions() > evictions_before);
+        if (scored) mse.add(l, call.output, full.output.narrow(2, s, n), mask);
       }
       cache.advance(n);
-      if (scored) elements += mask.sum().item<double>() * static_cast<double>(c.num_heads * c.head_dim);
+      if (!scored) continue;
+      std::int64_t real_positions = 0;
+      for (std::int64_t p = s; p < s + n; ++p) real_positions += real_at[p];
+      mse.count(static_cast<double>(real_positions * c.num_heads * c.head_dim));
     }
-    if (elements == 0) continue;  // rows too short for this budget to evict
+    if (mse.empty()) continue;  // rows too short for this budget to evict
     ++budgets_used;
-    for (std::size_t l = 0; l < sse.size(); ++l) {
-      const at::Tensor mse = sse[l] / elements;
-      layer_mse[l] = layer_mse[l].defined() ? layer_mse[l] + mse : mse;
-    }
+    const std::vector<at::Tensor> per_layer = mse.per_layer();
+    for (std::size_t l = 0; l < per_layer.size(); ++l)
+      layer_mse[l] = layer_mse[l].defined() ? layer_mse[l] + per_layer[l] : per_layer[l];
   }
   return layer_mean_loss(std::move(layer_mse), static_cast<double>(budgets_used), "mse", memory_->parameters());
-}
-
-std::unique_ptr<EvictionPolicy> MemoryMethod::eval_policy() const {
-  PolicyOptions o = settings_.policy_options;
-  o.memory = memory_;
-  return make_policy(settings_.policy + "+mem", o);
 }
 
 std::map<std::string, std::string> MemoryMethod::metadata() const {
@@ -132,17 +113,109 @@ std::map<std::string, std::string> MemoryMethod::metadata() const {
   for (std::int64_t b : settings_.budgets) budgets += (budgets.empty() ? "" : ",") + std::to_string(b);
   std::map<std::string, std::string> m = settings_.base_weights;
   m.insert({{"method", "memory"},
-          {"stage", "memory"},
-          {"backbone", model_.source()},
-          {"architecture", c.architecture},
-          {"num_layers", std::to_string(c.num_layers)},
-          {"hidden_size", std::to_string(c.hidden_size)},
-          {"num_kv_heads", std::to_string(c.num_kv_heads)},
-          {"d_memory", std::to_string(memory_->dim())},
-          {"memory_policy", settings_.policy},
-          {"memory_budgets", budgets},
-          {"memory_chunk", std::to_string(settings_.chunk)}});
+            {"stage", "memory"},
+            {"backbone", model_.source()},
+            {"architecture", c.architecture},
+            {"num_layers", std::to_string(c.num_layers)},
+            {"hidden_size", std::to_string(c.hidden_size)},
+            {"num_kv_heads", std::to_string(c.num_kv_heads)},
+            {"d_memory", std::to_string(memory_->dim())},
+            {"memory_policy", settings_.policy},
+            {"memory_budgets", budgets},
+            {"memory_chunk", std::to_string(settings_.chunk)}});
   return m;
 }
 
+MemorySettings memory_settings(const MethodSetup& setup) {
+  const Config& c = setup.config;
+  MemorySettings m;
+  m.memory.dim = c.get_int("memory.dim");
+  if (m.memory.dim < 1) fail("config", "memory.dim", "must be >= 1");
+  m.policy = c.get_string("memory.policy");
+  if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
+    fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
+  m.budgets = c.get_int_list("memory.budgets");
+  m.chunk = c.get_int("memory.chunk");
+  m.policy_config = c;
+  m.base_modules = setup.init_modules;
+  m.base_weights = setup.init_metadata;
+  return m;
+}
+
+namespace methods {
+namespace {
+
+void load_memory(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
+                 TrainedModules& modules, const std::string& serves) {
+  try {
+    const auto trained_under = file.metadata.find("memory_policy");
+    if (!serves.empty() && trained_under != file.metadata.end() && trained_under->second != serves)
+      fail(path, "memory_policy", "this memory was trained under '" + trained_under->second + "', not '" + serves + "'");
+    auto memory = std::make_shared<LatentMemory>(LatentMemory::from_tensors(file.tensors, model.config(), path));
+    memory->to(model.device());
+    modules.add<LatentMemory>(memory, serves);
+  } catch (const Error& e) {
+    throw Error(key + ": " + e.what());
+  }
+}
+
+void load_any(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
+              TrainedModules& modules) {
+  load_memory(file, path, key, model, modules, "");
+}
+
+void load_for_eval(const Config& c, const Backbone& model, TrainedModules& modules, std::map<std::string, std::string>& meta) {
+  load_weights_key(c, "memory.weights", model, modules, meta, load_any);
+  std::string memory_for;
+  for (const std::string& entry : c.get_string_list("memory.weights_for")) {
+    const auto eq = entry.find('=');
+    const std::string policy = entry.substr(0, eq);
+    const std::vector<std::string> known = policy_names();
+    if (eq == std::string::npos || eq + 1 == entry.size() || std::find(known.begin(), known.end(), policy) == known.end())
+      fail("config", "memory.weights_for", "'" + entry + "' is not POLICY=FILE with a known base policy");
+    const std::string path = entry.substr(eq + 1);
+    load_memory(read_weights(path, "memory.weights_for"), path, "memory.weights_for", model, modules, policy);
+    memory_for += (memory_for.empty() ? "" : ", ") + entry;
+  }
+  if (!memory_for.empty()) meta["memory.weights_for"] = memory_for;
+}
+
+std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
+  // A learned base policy evicts with stage 1's weights (train.init_from); a heuristic needs none.
+  const std::string policy = setup.config.get_string("memory.policy");
+  const MethodRegistration* stage1 = method_serving(policy, setup.config);
+  if (stage1) {
+    load_init_from(setup, *stage1);
+  } else if (!setup.config.get_string("train.init_from").empty()) {
+    fail("config", "train.init_from", "memory.policy '" + policy + "' has no trained weights to start from");
+  }
+  return std::make_unique<MemoryMethod>(setup.model, memory_settings(setup), setup.seed);
+}
+
+}  // namespace
+
+extern const MethodRegistration memory{
+    "memory",
+    "IndexMem stage 2: the latent memory under memory.policy (MSE to full attention); evaluated by <memory.policy>+mem",
+    nullptr,
+    {"memory.weights"},
+    [](ConfigSchema& s) {
+      s.add("memory.dim", ConfigType::Int, "16", "latent memory size d_m (16..64)")
+          .add("memory.policy", ConfigType::String, "h2o",
+               "base eviction policy the memory is trained (and evaluated) with; a learned one (trimkv, indexmem) "
+               "starts from train.init_from")
+          .add("memory.budgets", ConfigType::IntList, "[16, 32]", "budgets M whose evictions are replayed (loss averaged)")
+          .add("memory.chunk", ConfigType::Int, "16", "replay chunk size (the engine's prefill chunk)");
+    },
+    [](ConfigSchema& s) {
+      s.add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)")
+          .add("memory.weights_for", ConfigType::StringList, "[]",
+               "POLICY=FILE entries: POLICY+mem uses FILE (the memory trained under POLICY) instead of memory.weights");
+    },
+    [](const Config& c) { return c.get_string("memory.policy") + "+mem"; },
+    make,
+    load_any,
+    load_for_eval};
+
+}  // namespace methods
 }  // namespace kvbound

@@ -1,16 +1,20 @@
 // IndexMem stage 2 (DESIGN.md, "Latent memory"): the latent memory alone, trained locally per layer on the
 // frozen backbone's own q/k/v. One no-grad teacher forward over whole rows gives every layer's q/k/v and
 // full-attention output o_full; then, at each budget of `budgets`, the engine's eviction under the base
-// policy is replayed on those q/k/v in chunks (MemoryAugmentedCache, the very hook the eval runs), so
-// o = attention(retained + chunk) + g(q)·m(q), and
-//   L_MSE = mean((o_full − o)²) over the positions after the first eviction, averaged over layers and budgets.
-// Only the memory's parameters get gradients: the teacher tensors are constants.
+// policy is replayed on those q/k/v in chunks — the backbone's own attention path (attend_over_cache) with
+// the engine's own hook (MemoryAugmentedCache), so o = attention(retained + chunk) + g(q)·m(q) exactly as in
+// eval — and L_MSE (losses/memory_mse.h) is averaged over layers and budgets. Only the memory's parameters
+// get gradients: the teacher tensors are constants. Registered as train.method memory; evaluated by
+// "<memory.policy>+mem".
 #pragma once
 #include <string>
 #include <vector>
 
+#include "base/config.h"
 #include "modules/backbone.h"
 #include "modules/latent_memory.h"
+#include "modules/policies/registry.h"
+#include "modules/trained_modules.h"
 #include "train/training_method.h"
 
 namespace kvbound {
@@ -20,8 +24,9 @@ struct MemorySettings {
   std::string policy = "h2o";                // the base policy the memory will be used with
   std::vector<std::int64_t> budgets{16, 32};  // replayed budgets M (a memory trained at one M hurt at 4x that)
   std::int64_t chunk = 16;                    // replay chunk, like the engine's prefill chunk
-  PolicyOptions policy_options;               // the base policy's settings (recent window, ...)
-  // A learned base policy's weights: init_from (the file), init_from_step, init_from_config_hash (metadata).
+  Config policy_config = kvbound::policy_config();  // the base policy's keys (recent window, ...)
+  TrainedModules base_modules;                // a learned base policy's weights (stage 1, constants)
+  // Where those weights came from: init_from (the file), init_from_step, init_from_config_hash (metadata).
   std::map<std::string, std::string> base_weights;
 };
 
@@ -33,14 +38,21 @@ class MemoryMethod final : public TrainingMethod {
   std::map<std::string, at::Tensor> named_parameters() const override { return memory_->named_tensors(); }
   StepLoss loss(const Batch& batch) override;
   // The base policy with this memory attached ("<policy>+mem"): the periodic eval runs the +mem hook.
-  std::unique_ptr<EvictionPolicy> eval_policy() const override;
+  std::unique_ptr<EvictionPolicy> eval_policy() const override { return with_memory_.make(seed_); }
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "mse_per_layer"; }
 
  private:
   const Backbone& model_;
   MemorySettings settings_;
+  std::uint64_t seed_;
   std::shared_ptr<LatentMemory> memory_;
+  ConfiguredPolicy base_, with_memory_;  // the replayed policy, and it with the live memory attached
 };
+
+// The settings of train.method memory (memory.*, the policy keys) from a run's config; a learned
+// memory.policy takes its weights from setup's init_from modules. kvbound::Error naming the key otherwise.
+struct MethodSetup;
+MemorySettings memory_settings(const MethodSetup& setup);
 
 }  // namespace kvbound

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 
@@ -75,7 +75,7 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const s
       const auto it = tensors.find(name);
       if (it == tensors.end()) fail(source, name, "missing optimizer state");
       if (it->second.sizes() != params_[i].sizes()) fail(source, name, "shape differs from the parameter's");
-      *dst = it->second.to(params_[i].scalar_type()).clone();
+      *dst = it->second.to(params_[i].device(), params_[i].scalar_type()).clone();
     }
     step_counts_[i].fill_(static_cast<double>(steps));
   }

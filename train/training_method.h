@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "modules/eviction_policy.h"
-#include "train/train_data.h"
+#include "data/training_rows.h"
 
 namespace kvbound {
 

@@ -3,14 +3,27 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/exp.h>
 
+#include "base/errors.h"
 #include "losses/distillation.h"
-#include "modules/policies/registry.h"
+#include "train/method_registry.h"
 
 namespace kvbound {
+namespace {
+
+TrainedModules live(const std::shared_ptr<RetentionGates>& gates) {
+  TrainedModules m;
+  m.add<RetentionGates>(gates);
+  return m;
+}
+
+}  // namespace
 
 TrimKVMethod::TrimKVMethod(const Backbone& model, const TrimKVSettings& settings, std::uint64_t seed)
     : model_(model), settings_(settings),
-      gates_(std::make_shared<RetentionGates>(RetentionGates::init(model.config(), settings.gate, seed))) {}
+      gates_(std::make_shared<RetentionGates>(RetentionGates::init(model.config(), settings.gate, seed))),
+      policy_("trimkv", settings.policy_config, live(gates_)) {
+  gates_->to(model.device());
+}
 
 StepLoss TrimKVMethod::loss(const Batch& batch) {
   at::Tensor teacher_hidden;
@@ -37,12 +50,6 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
   return out;
 }
 
-std::unique_ptr<EvictionPolicy> TrimKVMethod::eval_policy() const {
-  PolicyOptions o;
-  o.trimkv_gates = gates_;
-  return make_policy("trimkv", o);
-}
-
 std::map<std::string, std::string> TrimKVMethod::metadata() const {
   const ModelConfig& c = model_.config();
   return {{"method", "trimkv"},
@@ -57,4 +64,65 @@ std::map<std::string, std::string> TrimKVMethod::metadata() const {
           {"budget", std::to_string(settings_.budget)}};
 }
 
+namespace methods {
+namespace {
+
+void load_gates(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
+                TrainedModules& modules) {
+  try {
+    auto gates = std::make_shared<RetentionGates>(RetentionGates::from_tensors(file.tensors, model.config(), path));
+    gates->to(model.device());
+    modules.add<RetentionGates>(gates);
+  } catch (const Error& e) {
+    throw Error(key + ": " + e.what());
+  }
+}
+
+std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
+  const Config& c = setup.config;
+  TrimKVSettings t;
+  t.gate.hidden = c.get_int("trimkv.gate_hidden");
+  t.gate.bias_init = c.get_float("trimkv.bias_init");
+  t.budget = c.get_int("trimkv.budget");
+  if (t.budget < 1) fail("config", "trimkv.budget", "must be >= 1");
+  if (t.gate.hidden < 1) fail("config", "trimkv.gate_hidden", "must be >= 1");
+  t.capacity = losses::parse_capacity_mode(c.get_string("trimkv.capacity"), "trimkv.capacity");
+  t.w_kl = c.get_float("trimkv.w_kl");
+  t.w_ntp = c.get_float("trimkv.w_ntp");
+  t.lambda_cap = c.get_float("trimkv.lambda_cap");
+  for (const char* key : {"trimkv.w_kl", "trimkv.w_ntp", "trimkv.lambda_cap"})
+    if (!(c.get_float(key) >= 0)) fail("config", key, "must be >= 0");
+  t.loss_block_rows = c.get_int("train.loss_block_rows");
+  if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
+  t.policy_config = c;
+  return std::make_unique<TrimKVMethod>(setup.model, t, setup.seed);
+}
+
+}  // namespace
+
+extern const MethodRegistration trimkv{
+    "trimkv",
+    "TRIM-KV retention gates (distillation + capacity loss); evaluated by the trimkv policy",
+    nullptr,
+    {"trimkv.gates"},
+    [](ConfigSchema& s) {
+      s.add("trimkv.budget", ConfigType::Int, "32", "M_train of the capacity loss (tighter than the deployment M)")
+          .add("trimkv.gate_hidden", ConfigType::Int, "128", "gate MLP width h (128 tiny models, 512 billion-scale)")
+          .add("trimkv.bias_init", ConfigType::Float, "8.0", "gate bias at init (8: released Qwen3 gates; 18: paper)")
+          .add("trimkv.capacity", ConfigType::String, "per_head", "capacity loss: per_head | global")
+          .add("trimkv.w_kl", ConfigType::Float, "0.5", "weight of KL(teacher || student)")
+          .add("trimkv.w_ntp", ConfigType::Float, "0.5", "weight of next-token cross-entropy")
+          .add("trimkv.lambda_cap", ConfigType::Float, "1.0", "weight of the capacity loss");
+    },
+    [](ConfigSchema& s) {
+      s.add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)");
+    },
+    [](const Config&) { return std::string("trimkv"); },
+    make,
+    load_gates,
+    [](const Config& c, const Backbone& model, TrainedModules& modules, std::map<std::string, std::string>& meta) {
+      load_weights_key(c, "trimkv.gates", model, modules, meta, load_gates);
+    }};
+
+}  // namespace methods
 }  // namespace kvbound

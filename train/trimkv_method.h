@@ -1,9 +1,12 @@
 // TRIM-KV training (DESIGN.md, "TRIM-KV"): the teacher is the frozen backbone with plain causal attention
 // (no grad); the student is the same backbone whose attention is the gated retention attention;
 //   L = w_kl · KL(p_teacher ‖ p_student) + w_ntp · CE + λ_cap · L_cap(M_train).
+// Registered as train.method trimkv (train/trimkv_method.cpp); evaluated by the trimkv policy.
 #pragma once
+#include "base/config.h"
 #include "losses/capacity.h"
 #include "modules/backbone.h"
+#include "modules/policies/registry.h"
 #include "modules/retention_gate.h"
 #include "train/training_method.h"
 
@@ -15,6 +18,7 @@ struct TrimKVSettings {
   losses::CapacityMode capacity = losses::CapacityMode::PerHead;
   double w_kl = 0.5, w_ntp = 0.5, lambda_cap = 1.0;
   std::int64_t loss_block_rows = 128;  // positions whose vocabulary logits exist at once
+  Config policy_config = kvbound::policy_config();  // the trimkv policy's keys, for the periodic eval
 };
 
 class TrimKVMethod final : public TrainingMethod {
@@ -24,7 +28,7 @@ class TrimKVMethod final : public TrainingMethod {
   std::string name() const override { return "trimkv"; }
   std::map<std::string, at::Tensor> named_parameters() const override { return gates_->named_tensors(); }
   StepLoss loss(const Batch& batch) override;
-  std::unique_ptr<EvictionPolicy> eval_policy() const override;
+  std::unique_ptr<EvictionPolicy> eval_policy() const override { return policy_.make(0); }
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "retention"; }
 
@@ -32,6 +36,7 @@ class TrimKVMethod final : public TrainingMethod {
   const Backbone& model_;
   TrimKVSettings settings_;
   std::shared_ptr<RetentionGates> gates_;
+  ConfiguredPolicy policy_;  // trimkv with the live gates
 };
 
 }  // namespace kvbound

@@ -1,5 +1,5 @@
 // full: the unbounded cache every budgeted policy is measured against; nothing is ever evicted.
-#include "modules/policies/policy_factories.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound::policies {
 namespace {
@@ -12,6 +12,10 @@ class Full final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_full(const PolicyOptions&) { return std::make_unique<Full>(); }
+extern const PolicyRegistration full{
+    "full", "every token (the unbounded reference)", [](ConfigSchema&) {},
+    [](const Config&, const TrainedModules&) -> PolicyMaker {
+      return [](std::uint64_t) { return std::make_unique<Full>(); };
+    }};
 
 }  // namespace kvbound::policies

@@ -4,7 +4,8 @@
 // received attention, so old tokens are not favoured just for having been seen more often. The
 // `recent` newest tokens are always kept (H2O's local window).
 
-#include "modules/policies/policy_factories.h"
+#include "base/errors.h"
+#include "modules/policies/registry.h"
 #include "modules/policies/policy_state.h"
 
 namespace kvbound::policies {
@@ -19,15 +20,15 @@ class H2O final : public EvictionPolicy {
     const at::Tensor kpos = v.cache->positions(v.layer);  // [B, Hkv, N]
     const at::Tensor qpos = v.call->positions;            // [T]
     const std::int64_t n = kpos.size(-1), group = v.probs.size(2);
-    at::Tensor& received = received_.extend(v.layer, n, kpos.to(at::kDouble));
-    at::Tensor& seen = seen_.extend(v.layer, n, kpos.to(at::kDouble));
-    received = received + v.probs.sum({2, 3}).to(at::kDouble);
-    seen = seen + (kpos.unsqueeze(-1) <= qpos.view({1, 1, 1, -1})).sum(-1).to(at::kDouble) * group;
+    at::Tensor& received = received_.extend(v.layer, n, kpos.to(at::kFloat));
+    at::Tensor& seen = seen_.extend(v.layer, n, kpos.to(at::kFloat));
+    received = received + v.probs.sum({2, 3});
+    seen = seen + (kpos.unsqueeze(-1) <= qpos.view({1, 1, 1, -1})).sum(-1).to(at::kFloat) * group;
   }
 
   at::Tensor score(const PolicyView& v) override {
     const at::Tensor mean = received_.get(v.layer) / seen_.get(v.layer).clamp_min(1);
-    return protect_recent(mean, v.cache->positions(v.layer), v.call->positions[-1].item<std::int64_t>(), recent_);
+    return protect_recent(mean, v.cache->positions(v.layer), v.call->start + v.call->q.size(2) - 1, recent_);
   }
 
   void retained(std::int64_t layer, const at::Tensor& index) override {
@@ -42,6 +43,13 @@ class H2O final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_h2o(const PolicyOptions& o) { return std::make_unique<H2O>(o.recent); }
+extern const PolicyRegistration h2o{
+    "h2o", "the tokens with the highest mean received attention, and the h2o.recent newest",
+    [](ConfigSchema& s) { s.add("h2o.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept"); },
+    [](const Config& c, const TrainedModules&) -> PolicyMaker {
+      const std::int64_t recent = c.get_int("h2o.recent");
+      if (recent < 0) fail("config", "h2o.recent", "must be >= 0");
+      return [recent](std::uint64_t) { return std::make_unique<H2O>(recent); };
+    }};
 
 }  // namespace kvbound::policies

@@ -21,19 +21,39 @@
 #include <limits>
 #include <utility>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "modules/indexer.h"
-#include "modules/policies/policy_factories.h"
+#include "modules/policies/registry.h"
 #include "modules/policies/policy_state.h"
 
 namespace kvbound::policies {
 namespace {
 
+struct IndexMemPolicySettings {
+  std::int64_t recent = 8;
+  bool use_max = false;
+  std::int64_t horizon = 16;
+  bool pre_evict = true;
+};
+
+IndexMemPolicySettings indexmem_policy_settings(const Config& c) {
+  IndexMemPolicySettings s;
+  s.recent = c.get_int("indexmem.recent");
+  if (s.recent < 0) fail("config", "indexmem.recent", "must be >= 0");
+  const std::string stat = c.get_string("indexmem.stat");
+  if (stat != "mean" && stat != "max") fail("config", "indexmem.stat", "'" + stat + "' (mean, max)");
+  s.use_max = stat == "max";
+  s.horizon = c.get_int("indexmem.horizon");
+  if (s.horizon < 0) fail("config", "indexmem.horizon", "must be >= 0 (0: every query weighs the same)");
+  s.pre_evict = c.get_bool("indexmem.pre_evict");
+  return s;
+}
+
 class IndexMem final : public EvictionPolicy {
  public:
-  IndexMem(std::shared_ptr<const Indexer> indexer, std::int64_t recent, bool use_max, std::int64_t horizon, bool pre_evict)
-      : indexer_(std::move(indexer)), recent_(recent), use_max_(use_max),
-        decay_(horizon > 0 ? 1.0 - 1.0 / static_cast<double>(horizon) : 1.0), pre_evict_(pre_evict) {}
+  IndexMem(std::shared_ptr<const Indexer> indexer, const IndexMemPolicySettings& s)
+      : indexer_(std::move(indexer)), recent_(s.recent), use_max_(s.use_max),
+        decay_(s.horizon > 0 ? 1.0 - 1.0 / static_cast<double>(s.horizon) : 1.0), pre_evict_(s.pre_evict) {}
 
   bool pre_evicts() const override { return pre_evict_; }
 
@@ -58,7 +78,7 @@ class IndexMem final : public EvictionPolicy {
     if (l >= keys_.size()) keys_.resize(l + 1);
     keys_[l] = keys_[l].defined() ? at::cat({keys_[l], chunk_keys}, 2) : chunk_keys.contiguous();
 
-    const at::Tensor like = v.cache->positions(v.layer).to(at::kDouble);
+    const at::Tensor like = v.cache->positions(v.layer).to(at::kFloat);
     at::Tensor& stat = stat_.extend(v.layer, older + t, like);
     at::Tensor& seen = seen_.extend(v.layer, older + t, like);
     chunk_queries_[l] = {};  // the next chunk brings new queries
@@ -66,8 +86,8 @@ class IndexMem final : public EvictionPolicy {
       stat.narrow(-1, older, t).copy_(I.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity()).amax(2));
       return;
     }
-    const at::Tensor w = visible.to(at::kDouble) * query_weights(t);
-    stat.narrow(-1, older, t).copy_((I.to(at::kDouble) * w).sum(2));
+    const at::Tensor w = visible.to(at::kFloat) * query_weights(t, I.options());
+    stat.narrow(-1, older, t).copy_((I * w).sum(2));
     seen.narrow(-1, older, t).copy_(w.sum(2));
   }
 
@@ -75,8 +95,7 @@ class IndexMem final : public EvictionPolicy {
     const at::Tensor& stat = stat_.get(v.layer);
     const at::Tensor value = use_max_ ? stat : stat / seen_.get(v.layer).clamp_min(1);
     // Pre-eviction keeps the `recent` tokens just before the chunk; otherwise those ending at its last token.
-    const at::Tensor& qpos = v.call->positions;
-    const std::int64_t newest = pre_evict_ ? qpos[0].item<std::int64_t>() - 1 : qpos[-1].item<std::int64_t>();
+    const std::int64_t newest = pre_evict_ ? v.call->start - 1 : v.call->start + v.call->q.size(2) - 1;
     return protect_recent(value, v.cache->positions(v.layer), newest, recent_);
   }
 
@@ -109,19 +128,20 @@ class IndexMem final : public EvictionPolicy {
     const at::Tensor I = indexer_->score(q, w_heads, keys.narrow(2, 0, older));  // [B, Hkv, T, older]
     at::Tensor stat = stat_.get(v.layer).narrow(-1, 0, older);
     if (use_max_) {
-      stat.copy_(at::maximum(stat, I.amax(2).to(at::kDouble)));
+      stat.copy_(at::maximum(stat, I.amax(2)));
       return;
     }
     const std::int64_t t = I.size(2);
-    const at::Tensor w = query_weights(t);  // [T, 1]
+    const at::Tensor w = query_weights(t, I.options());  // [T, 1]
     const double carried = std::pow(decay_, static_cast<double>(t));
-    stat.mul_(carried).add_((I.to(at::kDouble) * w).sum(2));
-    seen_.get(v.layer).narrow(-1, 0, older).mul_(carried).add_(w.sum().item<double>());
+    stat.mul_(carried).add_((I * w).sum(2));
+    seen_.get(v.layer).narrow(-1, 0, older).mul_(carried).add_(w.sum());
   }
 
-  // Weight of each of a chunk's T queries in the running mean, [T, 1]: decay^(T−1−s) (all 1 undecayed).
-  at::Tensor query_weights(std::int64_t t) const {
-    const at::Tensor age = at::arange(t - 1, -1, -1, at::TensorOptions().dtype(at::kDouble));
+  // Weight of each of a chunk's T queries in the running mean, [T, 1] like `options`: decay^(T−1−s) (all 1
+  // undecayed).
+  at::Tensor query_weights(std::int64_t t, const at::TensorOptions& options) const {
+    const at::Tensor age = at::arange(t - 1, -1, -1, options);
     return at::pow(decay_, age).view({t, 1});
   }
 
@@ -138,13 +158,21 @@ class IndexMem final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_indexmem(const PolicyOptions& o) {
-  if (!o.indexer) fail("config", "indexmem.weights", "policy indexmem needs an indexer file (kvbound export RUN_DIR --out FILE)");
-  if (o.indexmem_stat != "mean" && o.indexmem_stat != "max")
-    fail("config", "indexmem.stat", "'" + o.indexmem_stat + "' (mean, max)");
-  if (o.indexmem_horizon < 0) fail("config", "indexmem.horizon", "must be >= 0 (0: every query weighs the same)");
-  return std::make_unique<IndexMem>(o.indexer, o.indexmem_recent, o.indexmem_stat == "max", o.indexmem_horizon,
-                                    o.indexmem_pre_evict);
-}
+extern const PolicyRegistration indexmem{
+    "indexmem", "the keys with the highest running indexer score (pre-evicting), and the indexmem.recent newest",
+    [](ConfigSchema& s) {
+      s.add("indexmem.recent", ConfigType::Int, "8", "indexmem policy: most recent tokens always kept")
+          .add("indexmem.stat", ConfigType::String, "mean", "indexmem policy: running statistic of a key's scores: mean | max")
+          .add("indexmem.horizon", ConfigType::Int, "16",
+               "indexmem policy, stat mean: decay older queries' scores by a = 1 - 1/H (0: every query weighs the same)")
+          .add("indexmem.pre_evict", ConfigType::Bool, "true",
+               "indexmem policy: evict before a chunk's attention (false: after it, like h2o)");
+    },
+    [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
+      const IndexMemPolicySettings s = indexmem_policy_settings(c);
+      std::shared_ptr<const Indexer> indexer = modules.find<Indexer>();
+      if (!indexer) fail("config", "indexmem.weights", "policy indexmem needs an indexer file (kvbound export RUN_DIR --out FILE)");
+      return [indexer, s](std::uint64_t) { return std::make_unique<IndexMem>(indexer, s); };
+    }};
 
 }  // namespace kvbound::policies

@@ -2,7 +2,7 @@
 // different from the rest; score = -cos(k_i, mean of the cached keys of that head).
 #include <ATen/ops/cosine_similarity.h>
 
-#include "modules/policies/policy_factories.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound::policies {
 namespace {
@@ -18,6 +18,10 @@ class KeyDiff final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_keydiff(const PolicyOptions&) { return std::make_unique<KeyDiff>(); }
+extern const PolicyRegistration keydiff{
+    "keydiff", "the keys least similar to the mean key", [](ConfigSchema&) {},
+    [](const Config&, const TrainedModules&) -> PolicyMaker {
+      return [](std::uint64_t) { return std::make_unique<KeyDiff>(); };
+    }};
 
 }  // namespace kvbound::policies

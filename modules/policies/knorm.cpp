@@ -1,7 +1,7 @@
 // knorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"):
 // keys with a low L2 norm draw more attention, so keep the lowest norms; score = -||k||. RoPE is a
 // rotation, so the norm of the cached (rotated) key equals the pre-RoPE one.
-#include "modules/policies/policy_factories.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound::policies {
 namespace {
@@ -15,6 +15,10 @@ class Knorm final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_knorm(const PolicyOptions&) { return std::make_unique<Knorm>(); }
+extern const PolicyRegistration knorm{
+    "knorm", "the keys with the lowest L2 norm", [](ConfigSchema&) {},
+    [](const Config&, const TrainedModules&) -> PolicyMaker {
+      return [](std::uint64_t) { return std::make_unique<Knorm>(); };
+    }};
 
 }  // namespace kvbound::policies

@@ -3,7 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/rand.h>
 
-#include "modules/policies/policy_factories.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound::policies {
 namespace {
@@ -12,7 +12,9 @@ class Random final : public EvictionPolicy {
  public:
   explicit Random(std::uint64_t seed) : generator_(at::detail::createCPUGenerator(seed)) {}
   at::Tensor score(const PolicyView& view) override {
-    return at::rand(view.cache->positions(view.layer).sizes(), generator_, at::TensorOptions().dtype(at::kFloat));
+    // Drawn on the CPU (one generator, the same draws on every device), then moved to the cache's device.
+    const at::Tensor positions = view.cache->positions(view.layer);
+    return at::rand(positions.sizes(), generator_, at::TensorOptions().dtype(at::kFloat)).to(positions.device());
   }
 
  private:
@@ -21,6 +23,10 @@ class Random final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_random(const PolicyOptions& o) { return std::make_unique<Random>(o.seed); }
+extern const PolicyRegistration random{
+    "random", "a uniformly random subset, redrawn at every eviction", [](ConfigSchema&) {},
+    [](const Config&, const TrainedModules&) -> PolicyMaker {
+      return [](std::uint64_t seed) { return std::make_unique<Random>(seed); };
+    }};
 
 }  // namespace kvbound::policies

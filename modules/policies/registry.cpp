@@ -1,61 +1,78 @@
 #include "modules/policies/registry.h"
 
-#include <functional>
-#include <map>
-
-#include "checkpoints/errors.h"
-#include "modules/policies/policy_factories.h"
+#include "base/errors.h"
+#include "modules/latent_memory.h"
 
 namespace kvbound {
+namespace policies {
+#define KVBOUND_POLICY(NAME) extern const PolicyRegistration NAME;
+#include "modules/policies/policy_list.h"
+#undef KVBOUND_POLICY
+}  // namespace policies
+
 namespace {
 
-using Factory = std::function<std::unique_ptr<EvictionPolicy>(const PolicyOptions&)>;
+constexpr const char* kMemorySuffix = "+mem";
 
-const std::map<std::string, Factory>& registry() {
-  static const std::map<std::string, Factory> all = {
-      {"full", policies::make_full},
-      {"random", policies::make_random},
-      {"streaming_llm", policies::make_streaming_llm},
-      {"h2o", policies::make_h2o},
-      {"snapkv", policies::make_snapkv},
-      {"tova", policies::make_tova},
-      {"knorm", policies::make_knorm},
-      {"keydiff", policies::make_keydiff},
-      {"trimkv", policies::make_trimkv},
-      {"indexmem", policies::make_indexmem},
-  };
-  return all;
+const PolicyRegistration* find_registration(const std::string& name) {
+  for (const PolicyRegistration* r : policy_registry())
+    if (name == r->name) return r;
+  std::string known;
+  for (const auto& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
+  fail("policy", name, "unknown policy (known: " + known + "; any of them +mem)");
 }
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_policy(const std::string& name, const PolicyOptions& options) {
-  // "<policy>+mem" is the base policy carrying the latent memory: the engine's hook, not the scores, uses it.
-  const std::string suffix = "+mem";
-  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    const std::string base = name.substr(0, name.size() - suffix.size());
-    const auto own = options.memory_for.find(base);
-    const std::shared_ptr<const LatentMemory>& memory = own != options.memory_for.end() ? own->second : options.memory;
-    if (!memory)
-      fail("config", "memory.weights",
-           "policy " + name + " needs trained latent memory weights (set memory.weights or memory.weights_for)");
-    auto policy = make_policy(base, options);
-    policy->attach_memory(memory);
-    return policy;
-  }
-  const auto it = registry().find(name);
-  if (it == registry().end()) {
-    std::string known;
-    for (const auto& n : policy_names()) known += (known.empty() ? "" : ", ") + n;
-    fail("policy", name, "unknown policy (known: " + known + ")");
-  }
-  return it->second(options);
+const std::vector<const PolicyRegistration*>& policy_registry() {
+  static const std::vector<const PolicyRegistration*> all = {
+#define KVBOUND_POLICY(NAME) &policies::NAME,
+#include "modules/policies/policy_list.h"
+#undef KVBOUND_POLICY
+  };
+  return all;
 }
 
 std::vector<std::string> policy_names() {
   std::vector<std::string> names;
-  for (const auto& [name, factory] : registry()) names.push_back(name);
+  for (const PolicyRegistration* r : policy_registry()) names.emplace_back(r->name);
   return names;
+}
+
+void declare_policy_keys(ConfigSchema& schema) {
+  for (const PolicyRegistration* r : policy_registry()) r->declare_keys(schema);
+}
+
+Config policy_config(const std::vector<std::string>& overrides) {
+  ConfigSchema schema;
+  declare_policy_keys(schema);
+  return Config::load(schema, "", overrides);
+}
+
+ConfiguredPolicy::ConfiguredPolicy(const std::string& name, const Config& config, const TrainedModules& modules)
+    : name_(name) {
+  const std::string suffix = kMemorySuffix;
+  const bool with_memory =
+      name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const std::string base = with_memory ? name.substr(0, name.size() - suffix.size()) : name;
+  maker_ = find_registration(base)->configure(config, modules);
+  if (!with_memory) return;
+  memory_ = modules.find<LatentMemory>(base);
+  if (!memory_)
+    fail("config", "memory.weights",
+         "policy " + name + " needs trained latent memory weights (set memory.weights or memory.weights_for)");
+  if (!maker_(0)->bounded()) fail("policy", name, "never evicts: nothing would reach the memory");
+}
+
+std::unique_ptr<EvictionPolicy> ConfiguredPolicy::make(std::uint64_t seed) const {
+  std::unique_ptr<EvictionPolicy> policy = maker_(seed);
+  if (memory_) policy->attach_memory(memory_);
+  return policy;
+}
+
+std::unique_ptr<EvictionPolicy> make_policy(const std::string& name, const Config& config, const TrainedModules& modules,
+                                            std::uint64_t seed) {
+  return ConfiguredPolicy(name, config, modules).make(seed);
 }
 
 }  // namespace kvbound

@@ -13,7 +13,8 @@
 #include <limits>
 #include <vector>
 
-#include "modules/policies/policy_factories.h"
+#include "base/errors.h"
+#include "modules/policies/registry.h"
 #include "modules/policies/policy_state.h"
 
 namespace kvbound::policies {
@@ -62,8 +63,17 @@ class SnapKV final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_snapkv(const PolicyOptions& o) {
-  return std::make_unique<SnapKV>(o.snapkv_window, o.snapkv_pool);
-}
+extern const PolicyRegistration snapkv{
+    "snapkv", "the tokens the last snapkv.window queries vote for (pooled), and the window itself",
+    [](ConfigSchema& s) {
+      s.add("snapkv.window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
+          .add("snapkv.pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)");
+    },
+    [](const Config& c, const TrainedModules&) -> PolicyMaker {
+      const std::int64_t window = c.get_int("snapkv.window"), pool = c.get_int("snapkv.pool");
+      if (window < 1) fail("config", "snapkv.window", "must be >= 1");
+      if (pool < 1 || pool % 2 == 0) fail("config", "snapkv.pool", "must be odd and >= 1");
+      return [window, pool](std::uint64_t) { return std::make_unique<SnapKV>(window, pool); };
+    }};
 
 }  // namespace kvbound::policies

@@ -5,7 +5,8 @@
 
 #include <limits>
 
-#include "modules/policies/policy_factories.h"
+#include "base/errors.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound::policies {
 namespace {
@@ -14,9 +15,8 @@ class StreamingLlm final : public EvictionPolicy {
  public:
   explicit StreamingLlm(std::int64_t sinks) : sinks_(sinks) {}
   at::Tensor score(const PolicyView& view) override {
-    const at::Tensor pos = view.cache->positions(view.layer).to(at::kDouble);
-    return at::where(pos < static_cast<double>(sinks_),
-                     at::full_like(pos, std::numeric_limits<double>::infinity()), pos);
+    const at::Tensor pos = view.cache->positions(view.layer).to(at::kFloat);
+    return at::where(pos < static_cast<double>(sinks_), at::full_like(pos, std::numeric_limits<float>::infinity()), pos);
   }
 
  private:
@@ -25,8 +25,13 @@ class StreamingLlm final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_streaming_llm(const PolicyOptions& o) {
-  return std::make_unique<StreamingLlm>(o.sinks);
-}
+extern const PolicyRegistration streaming_llm{
+    "streaming_llm", "the first streaming_llm.sinks tokens (attention sinks) and the most recent ones",
+    [](ConfigSchema& s) { s.add("streaming_llm.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept"); },
+    [](const Config& c, const TrainedModules&) -> PolicyMaker {
+      const std::int64_t sinks = c.get_int("streaming_llm.sinks");
+      if (sinks < 0) fail("config", "streaming_llm.sinks", "must be >= 0");
+      return [sinks](std::uint64_t) { return std::make_unique<StreamingLlm>(sinks); };
+    }};
 
 }  // namespace kvbound::policies

@@ -1,7 +1,7 @@
 // tova (Oren et al., 2024, "Transformers are Multi-State RNNs"): keep the tokens the newest query
 // attends to most; score = attention of the chunk's last query, averaged over the query heads of the
 // KV group.
-#include "modules/policies/policy_factories.h"
+#include "modules/policies/registry.h"
 
 namespace kvbound::policies {
 namespace {
@@ -16,6 +16,10 @@ class Tova final : public EvictionPolicy {
 
 }  // namespace
 
-std::unique_ptr<EvictionPolicy> make_tova(const PolicyOptions&) { return std::make_unique<Tova>(); }
+extern const PolicyRegistration tova{
+    "tova", "the tokens the newest query attends to most", [](ConfigSchema&) {},
+    [](const Config&, const TrainedModules&) -> PolicyMaker {
+      return [](std::uint64_t) { return std::make_unique<Tova>(); };
+    }};
 
 }  // namespace kvbound::policies

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/gguf.h"
 #include "checkpoints/gguf_dequant.h"
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "data/llama2c_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/safetensors_format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "data/bpe_tokenizer.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -2,13 +2,15 @@
 // the best periodic eval with --best) as one safetensors file for serving stacks, without optimizer state.
 // TRIM-KV tensors keep the official release's names (model.layers.{i}.self_attn.retention_gate.*); the
 // metadata header says what they are: method, backbone identity, budget, step, config hash.
+#include <algorithm>
 #include <cxxopts.hpp>
 #include <iostream>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
-#include "train/commands.h"
-#include "checkpoints/run_checkpoint.h"
+#include "cli/commands.h"
+#include "train/method_registry.h"
+#include "train/run_checkpoint.h"
 
 namespace kvbound {
 
@@ -36,15 +38,16 @@ int cmd_export(int argc, char** argv) {
   for (auto& [name, t] : file.tensors)
     if (name.rfind("optimizer.", 0) != 0) tensors[name] = t;
   if (tensors.empty()) fail(source, "tensors", "no trained tensors in this checkpoint");
+  // The method must be registered (its loader reads the export back); the run's bookkeeping (data position,
+  // the checkpoint format) stays behind, everything the method recorded passes through.
+  const auto method = file.metadata.find("method");
+  if (method == file.metadata.end()) fail(source, "__metadata__.method", "missing (not a kvbound run?)");
+  const std::vector<std::string> known = method_names();
+  if (std::find(known.begin(), known.end(), method->second) == known.end())
+    fail(source, "__metadata__.method", "'" + method->second + "' is not a registered method");
   std::map<std::string, std::string> meta;
-  // Identity and settings pass through; run bookkeeping (data position, format of the checkpoint) does not.
-  for (const char* key : {"method", "backbone", "architecture", "num_layers", "hidden_size", "num_kv_heads",
-                          "retention_gate_intermediate_size", "retention_gate_bias_init", "hidden_act", "budget",
-                          "stage", "d_index", "key_heads", "rope", "relu", "pool", "window", "min_gap", "recent", "stat", "horizon", "pre_evict",
-                          "lambda_mse", "indexer_lr_scale", "init_from", "init_from_step", "init_from_config_hash",
-                          "d_memory", "memory_policy", "memory_budgets", "memory_chunk",
-                          "config_hash", "step", "eval_kl", "eval_budget"})
-    if (file.metadata.count(key)) meta[key] = file.metadata.at(key);
+  for (const auto& [key, value] : file.metadata)
+    if (!is_run_bookkeeping(key)) meta[key] = value;
   meta["format"] = "kvbound-export";
   meta["format_version"] = "1";
   meta["source"] = source;

@@ -1,4 +1,4 @@
-#include "train/config.h"
+#include "base/config.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -17,9 +17,9 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "checkpoints/atomic_file.h"
-#include "checkpoints/errors.h"
-#include "data/fnv1a.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
+#include "base/fnv1a.h"
 
 namespace kvbound {
 namespace {

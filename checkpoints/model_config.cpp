@@ -1,6 +1,6 @@
-#include "modules/model_config.h"
+#include "checkpoints/model_config.h"
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 

@@ -1,4 +1,4 @@
-#include "train/train_data.h"
+#include "data/training_rows.h"
 
 #include <ATen/ops/from_blob.h>
 
@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <random>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "data/token_dataset.h"
 
 namespace kvbound {
@@ -64,17 +64,21 @@ const std::vector<std::int64_t>& TrainingRows::order(std::int64_t epoch) const {
   return cached_order_;
 }
 
-Batch TrainingRows::next(std::int64_t batch_size, DataPosition& position) const {
+Batch TrainingRows::next(std::int64_t batch_size, DataPosition& position, const Shard& shard) const {
+  TORCH_CHECK(shard.world >= 1 && shard.rank >= 0 && shard.rank < shard.world, "TrainingRows::next: bad shard");
   const std::int64_t T = seq_len_;
   std::vector<std::int64_t> inputs(static_cast<std::size_t>(batch_size * T), bos_), targets(inputs.size(), -1);
   std::vector<float> weights(inputs.size(), 0.f);
   Batch batch;
-  for (std::int64_t b = 0; b < batch_size; ++b) {
+  for (std::int64_t g = 0; g < shard.world * batch_size; ++g) {
     if (position.cursor >= num_rows()) {
       ++position.epoch;
       position.cursor = 0;
     }
-    const Row& r = rows_[static_cast<std::size_t>(order(position.epoch)[static_cast<std::size_t>(position.cursor++)])];
+    const std::int64_t drawn = order(position.epoch)[static_cast<std::size_t>(position.cursor++)];
+    if (g / batch_size != shard.rank) continue;  // another rank's row
+    const std::int64_t b = g % batch_size;
+    const Row& r = rows_[static_cast<std::size_t>(drawn)];
     const bool has_next = r.start + r.count < r.doc_end;
     const std::vector<std::int32_t> ids = read(r.start, r.count + (has_next ? 1 : 0));
     const std::size_t row = static_cast<std::size_t>(b * T);
@@ -91,6 +95,14 @@ Batch TrainingRows::next(std::int64_t batch_size, DataPosition& position) const 
   batch.targets = at::from_blob(targets.data(), {batch_size, T}, i64).clone();
   batch.weights = at::from_blob(weights.data(), {batch_size, T}, at::TensorOptions().dtype(at::kFloat)).clone();
   return batch;
+}
+
+Batch Batch::to(const at::Device& device) const {
+  Batch out = *this;
+  out.inputs = inputs.to(device);
+  out.targets = targets.to(device);
+  out.weights = weights.to(device);
+  return out;
 }
 
 }  // namespace kvbound

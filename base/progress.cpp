@@ -1,4 +1,4 @@
-#include "eval/progress.h"
+#include "base/progress.h"
 
 #include <sys/ioctl.h>
 #include <unistd.h>

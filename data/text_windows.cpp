@@ -1,4 +1,4 @@
-#include "eval/text_windows.h"
+#include "data/text_windows.h"
 
 #include <algorithm>
 #include <fstream>
@@ -6,7 +6,7 @@
 #include <random>
 #include <sstream>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 

@@ -1,4 +1,4 @@
-#include "checkpoints/mapped_file.h"
+#include "base/mapped_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 
 namespace kvbound {
 

@@ -8,17 +8,18 @@
 #include <filesystem>
 #include <iostream>
 
-#include "checkpoints/atomic_file.h"
-#include "checkpoints/errors.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
 #include "data/tokenizer.h"
 #include "eval/budget_sweep.h"
 #include "eval/plots.h"
 #include "eval/results.h"
 #include "modules/backbone.h"
 #include "modules/policies/registry.h"
-#include "train/commands.h"
-#include "train/config.h"
-#include "train/model_setup.h"
+#include "cli/commands.h"
+#include "base/config.h"
+#include "cli/model_setup.h"
+#include "train/method_registry.h"
 
 namespace kvbound {
 namespace {
@@ -28,7 +29,8 @@ ConfigSchema eval_schema() {
   add_model_keys(s);
   s.add_required("eval.text", ConfigType::String, "held-out plain text file (windows and retrieval filler)")
       .add("eval.policies", ConfigType::StringList,
-           "[full, random, streaming_llm, h2o, snapkv, tova, knorm, keydiff]", "eviction policies to compare")
+           "[full, random, streaming_llm, h2o, snapkv, tova, knorm, keydiff]",
+           "eviction policies to compare (any registered policy, or POLICY+mem)")
       .add("eval.budgets", ConfigType::IntList, "[64, 128, 256]", "KV budgets M (entries per layer and KV head)")
       .add("eval.tasks", ConfigType::StringList, "[continuation, retrieval]", "continuation and/or retrieval")
       .add("eval.context_len", ConfigType::Int, "512", "continuation window length in tokens (BOS included)")
@@ -41,19 +43,14 @@ ConfigSchema eval_schema() {
       .add("eval.out_dir", ConfigType::String, "runs/eval", "output folder")
       .add("eval.retrieval.context_len", ConfigType::Int, "512", "passkey prompt length in tokens")
       .add("eval.retrieval.depths", ConfigType::FloatList, "[0.1, 0.5, 0.9]", "needle depths (fraction of filler)")
-      .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth")
-      .add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)")
-      .add("indexmem.weights", ConfigType::String, "\"\"", "indexmem: indexer file from `kvbound export` (required by policy indexmem)")
-      .add("memory.weights", ConfigType::String, "\"\"", "latent memory file from `kvbound export` (required by every <policy>+mem)")
-      .add("memory.weights_for", ConfigType::StringList, "[]",
-           "POLICY=FILE entries: POLICY+mem uses FILE (the memory trained under POLICY) instead of memory.weights");
-  add_policy_keys(s);
+      .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth");
+  declare_policy_keys(s);
+  declare_method_eval_keys(s);  // the files that hold the learned policies' weights
   return s;
 }
 
 SweepSettings sweep_settings(const Config& c) {
   SweepSettings s;
-  s.policies = c.get_string_list("eval.policies");
   s.budgets = c.get_int_list("eval.budgets");
   s.run_continuation = s.run_retrieval = false;
   for (const std::string& task : c.get_string_list("eval.tasks")) {
@@ -76,8 +73,6 @@ SweepSettings sweep_settings(const Config& c) {
   s.retrieval.chunk_size = s.continuation.chunk_size;
   s.retrieval.buffer = s.continuation.buffer;
   s.retrieval.seed = s.seed;
-  s.policy_options = configured_policy_options(c);
-  s.policy_options.seed = s.seed;
   return s;
 }
 
@@ -103,23 +98,11 @@ int cmd_eval(int argc, char** argv) {
   const std::string& tok_path = loaded.tokenizer_path;
   const auto& tokenizer = loaded.tokenizer;
   const auto& model = loaded.model;
-  // Learned weights are checked against this backbone here, before any evaluation work.
-  const std::string gates_path = config.get_string("trimkv.gates");
-  if (!gates_path.empty()) settings.policy_options.trimkv_gates = load_gates(gates_path, model->config(), "trimkv.gates");
-  const std::string indexer_path = config.get_string("indexmem.weights");
-  if (!indexer_path.empty()) settings.policy_options.indexer = load_indexer(indexer_path, model->config(), "indexmem.weights");
-  const std::string memory_path = config.get_string("memory.weights");
-  if (!memory_path.empty()) settings.policy_options.memory = load_memory(memory_path, model->config(), "memory.weights");
-  std::string memory_for;
-  for (const std::string& entry : config.get_string_list("memory.weights_for")) {
-    const auto eq = entry.find('=');
-    const std::string policy = entry.substr(0, eq);
-    const std::vector<std::string> known = policy_names();
-    if (eq == std::string::npos || eq + 1 == entry.size() || std::find(known.begin(), known.end(), policy) == known.end())
-      fail("config", "memory.weights_for", "'" + entry + "' is not POLICY=FILE with a known base policy");
-    settings.policy_options.memory_for[policy] = load_memory(entry.substr(eq + 1), model->config(), "memory.weights_for", policy);
-    memory_for += (memory_for.empty() ? "" : ", ") + entry;
-  }
+  // Learned weights are checked against this backbone, and every policy configured, before any evaluation work.
+  TrainedModules modules;
+  std::map<std::string, std::string> weights_meta;
+  for (const MethodRegistration* m : method_registry()) m->load_for_eval(config, *model, modules, weights_meta);
+  for (const std::string& name : config.get_string_list("eval.policies")) settings.policies.emplace_back(name, config, modules);
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");
@@ -131,10 +114,7 @@ int cmd_eval(int argc, char** argv) {
   results.meta["tokenizer"] = tok_path;
   results.meta["config_hash"] = config.hash();
   results.meta["text"] = settings.text_path;
-  if (!gates_path.empty()) results.meta["trimkv_gates"] = gates_path;
-  if (!indexer_path.empty()) results.meta["indexmem_weights"] = indexer_path;
-  if (!memory_path.empty()) results.meta["memory_weights"] = memory_path;
-  if (!memory_for.empty()) results.meta["memory_weights_for"] = memory_for;
+  for (const auto& [key, value] : weights_meta) results.meta[key] = value;
   write_results_json(results, out_dir + "/results.json");
   const std::string table = results_markdown(results);
   write_file_atomic(out_dir + "/results.md", table);

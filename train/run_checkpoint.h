@@ -33,6 +33,10 @@ RunCheckpoint load_latest_checkpoint(const std::string& run_dir);
 // The path LATEST names, or "" when the run has no checkpoint yet.
 std::string latest_checkpoint_path(const std::string& run_dir);
 
+// Whether a checkpoint metadata key is the run's own bookkeeping (format, data position, tokens seen) rather
+// than a description of the weights: exports leave these out.
+bool is_run_bookkeeping(const std::string& key);
+
 // The trained weights a run folder holds: best.safetensors (the best periodic eval) when `best`, else the
 // latest checkpoint. kvbound::Error naming the folder and `key` (the option that asked) when it has none.
 std::string run_weights_path(const std::string& run_dir, bool best, const std::string& key);

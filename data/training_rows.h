@@ -11,7 +11,9 @@
 // never lets it change a real position.
 //
 // Order: rows are shuffled per epoch by a permutation drawn from (seed, epoch) alone, so the data position
-// (epoch, cursor) is all a checkpoint needs to resume the exact same batches.
+// (epoch, cursor) is all a checkpoint needs to resume the exact same batches. Data-parallel training shards
+// each global batch: with `world` processes an update draws world × B rows, and rank r takes rows
+// [r·B, (r+1)·B) of them, so every rank's position stays the same (epoch, cursor).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -29,6 +31,14 @@ struct Batch {
   at::Tensor targets;  // [B, T] int64 (-1 at padding)
   at::Tensor weights;  // [B, T] float32: 1 where a target exists
   std::int64_t tokens = 0;  // weighted positions
+
+  // The same batch on `device` (tensors are made on the CPU; a no-op there).
+  Batch to(const at::Device& device) const;
+};
+
+// This process's share of every global batch: rank in [0, world).
+struct Shard {
+  std::int64_t rank = 0, world = 1;
 };
 
 struct DataPosition {
@@ -46,8 +56,9 @@ class TrainingRows {
   std::int64_t num_tokens() const { return total_tokens_; }
   std::int64_t seq_len() const { return seq_len_; }
 
-  // The next `batch_size` rows from `position` (advancing it; a new epoch reshuffles).
-  Batch next(std::int64_t batch_size, DataPosition& position) const;
+  // The next `batch_size` rows of `shard` from `position`, which advances past the whole global batch
+  // (shard.world × batch_size rows; a new epoch reshuffles).
+  Batch next(std::int64_t batch_size, DataPosition& position, const Shard& shard = {}) const;
 
  private:
   struct Row {

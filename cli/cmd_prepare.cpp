@@ -13,10 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "checkpoints/errors.h"
+#include "base/errors.h"
 #include "data/token_dataset.h"
 #include "data/tokenizer.h"
-#include "train/commands.h"
+#include "cli/commands.h"
 
 namespace kvbound {
 namespace {

@@ -1,12 +1,12 @@
-#include "checkpoints/run_checkpoint.h"
+#include "train/run_checkpoint.h"
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <vector>
 
-#include "checkpoints/atomic_file.h"
-#include "checkpoints/errors.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
 
 namespace kvbound {
@@ -58,6 +58,10 @@ std::string save_run_checkpoint(const std::string& run_dir, const RunCheckpoint&
   std::sort(all.begin(), all.end());
   for (std::size_t i = 0; i + static_cast<std::size_t>(std::max<std::int64_t>(keep, 1)) < all.size(); ++i) fs::remove(all[i]);
   return (dir / name).string();
+}
+
+bool is_run_bookkeeping(const std::string& key) {
+  return key == "format" || key == "format_version" || key == "epoch" || key == "cursor" || key == "tokens_seen";
 }
 
 std::string latest_checkpoint_path(const std::string& run_dir) {

@@ -1,0 +1,206 @@
+// `kvbound train CONFIG [--set key=value ...] [--resume] [--stop-after N]`: trains a learned method's
+// modules on the frozen backbone (train.method: any registered method, train/method_list.h) and writes the run folder
+// described in train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically
+// (same config required; model.threads may differ); `--stop-after N` ends this invocation after N
+// updates with a checkpoint (time-sliced jobs).
+#include <ATen/core/grad_mode.h>
+
+#include <cstring>
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+
+#include "base/errors.h"
+#include "train/run_checkpoint.h"
+#include "data/tokenizer.h"
+#include "data/text_windows.h"
+#include "modules/backbone.h"
+#include "cli/commands.h"
+#include "base/config.h"
+#include "cli/model_setup.h"
+#include "modules/policies/registry.h"
+#include "train/method_registry.h"
+#include "train/callbacks.h"
+#include "train/run_state.h"
+#include "train/trainer.h"
+
+namespace kvbound {
+namespace {
+
+std::string method_list() {
+  std::string out;
+  for (const MethodRegistration* m : method_registry()) out += (out.empty() ? "" : " | ") + std::string(m->name);
+  return out;
+}
+
+ConfigSchema train_schema() {
+  ConfigSchema s;
+  add_model_keys(s);
+  s.add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
+      .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
+      .add("train.method", ConfigType::String, "trimkv", "what to train: " + method_list())
+      .add("train.init_from", ConfigType::String, "\"\"",
+           "a later stage's start: the earlier stage's run folder (its best.safetensors, else latest checkpoint) or export")
+      .add("train.steps", ConfigType::Int, "200", "optimizer updates")
+      .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
+      .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")
+      .add("train.grad_accum", ConfigType::Int, "1", "micro-batches per update")
+      .add("train.lr", ConfigType::Float, "2e-3", "peak learning rate (2e-3 tiny models, 2e-4 billion-scale)")
+      .add("train.min_lr", ConfigType::Float, "0.0", "learning rate at the end of the cosine decay")
+      .add("train.warmup", ConfigType::Int, "20", "linear warm-up updates")
+      .add("train.weight_decay", ConfigType::Float, "0.01", "AdamW weight decay (matrices only)")
+      .add("train.grad_clip", ConfigType::Float, "1.0", "max global gradient norm (<= 0: off)")
+      .add("train.seed", ConfigType::Int, "0", "seed for initialisation and data order")
+      .add("train.loss_block_rows", ConfigType::Int, "128", "positions whose vocabulary logits exist at once")
+      .add("train.log_every", ConfigType::Int, "1", "updates between metrics.jsonl lines")
+      .add("train.checkpoint_every", ConfigType::Int, "50", "updates between checkpoints (0: only at the end)")
+      .add("train.keep_checkpoints", ConfigType::Int, "3", "checkpoint files kept")
+      .add("train.eval_every", ConfigType::Int, "50", "updates between budgeted evals (0: only at the end)")
+      .add("train.eval_budget", ConfigType::Int, "128", "deployment budget M of the periodic eval")
+      .add("train.eval_windows", ConfigType::Int, "4", "held-out windows per eval")
+      .add("train.eval_context_len", ConfigType::Int, "256", "eval window length (BOS included)")
+      .add("train.eval_prefill_len", ConfigType::Int, "128", "eval prefill (then teacher-forced decode, scored)")
+      .add("train.eval_chunk_size", ConfigType::Int, "32", "eval prefill chunk size")
+      .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
+  declare_method_train_keys(s);
+  declare_policy_keys(s);  // the policy that evaluates the method, and the one a memory is trained under
+  return s;
+}
+
+// The method train.method names, built by its registration; train.init_from must be consumed by it.
+std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& model) {
+  const MethodRegistration& registration = find_method(c.get_string("train.method"));
+  MethodSetup setup{c, model, static_cast<std::uint64_t>(c.get_int("train.seed")), {}, {}};
+  std::unique_ptr<TrainingMethod> method = registration.make(setup);
+  if (!c.get_string("train.init_from").empty() && setup.init_metadata.empty())
+    fail("config", "train.init_from", std::string("method ") + registration.name + " does not start from an earlier run");
+  return method;
+}
+
+TrainerSettings trainer_settings(const Config& c) {
+  TrainerSettings s;
+  s.steps = c.get_int("train.steps");
+  s.batch_size = c.get_int("train.batch_size");
+  s.grad_accum = c.get_int("train.grad_accum");
+  s.warmup = c.get_int("train.warmup");
+  s.lr = c.get_float("train.lr");
+  s.min_lr = c.get_float("train.min_lr");
+  s.grad_clip = c.get_float("train.grad_clip");
+  s.adamw.weight_decay = c.get_float("train.weight_decay");
+  s.checkpoint_every = c.get_int("train.checkpoint_every");
+  if (!(s.lr > 0)) fail("config", "train.lr", "must be > 0");
+  if (s.warmup < 0) fail("config", "train.warmup", "must be >= 0");
+  if (c.get_int("train.keep_checkpoints") < 1) fail("config", "train.keep_checkpoints", "must be >= 1");
+  for (const char* key : {"train.log_every", "train.checkpoint_every", "train.eval_every"})
+    if (c.get_int(key) < 0) fail("config", key, "must be >= 0 (0: off)");
+  return s;
+}
+
+PeriodicEvalSettings periodic_eval(const Config& c, const Backbone& model, const Tokenizer& tokenizer) {
+  PeriodicEvalSettings e;
+  e.budget = c.get_int("train.eval_budget");
+  e.every = c.get_int("train.eval_every");
+  e.continuation.prefill_len = e.continuation.score_from = c.get_int("train.eval_prefill_len");
+  e.continuation.chunk_size = c.get_int("train.eval_chunk_size");
+  const std::string text = c.get_string("data.eval_text");
+  if (text.empty()) return e;
+  if (e.budget < 1) fail("config", "train.eval_budget", "must be >= 1");
+  const std::int64_t windows = c.get_int("train.eval_windows");
+  if (windows < 1) fail("config", "train.eval_windows", "must be >= 1");
+  const at::NoGradGuard no_grad;
+  for (const auto& w : TextWindows(text).sample(tokenizer, windows, c.get_int("train.eval_context_len"),
+                                                static_cast<std::uint64_t>(c.get_int("train.seed"))))
+    e.references.push_back(continuation_reference(model, w, e.continuation));
+  return e;
+}
+
+// --resume continues a run only with the config it was started with: the run's config.yaml, read with
+// today's schema (keys added since take their defaults), must resolve to the same YAML as this invocation's.
+// model.threads and model.device are runtime settings, not part of the run's identity (bit-identity then
+// holds only on the same device and up to the reduction order of multithreaded kernels). Returns the run's
+// config hash.
+std::string check_same_run(const ConfigSchema& schema, const std::string& config_path,
+                    const std::vector<std::string>& overrides, const std::string& run_dir) {
+  const std::string saved_path = run_dir + "/config.yaml";
+  if (!std::filesystem::exists(saved_path)) fail(run_dir, "config.yaml", "missing: not a run folder of kvbound train");
+  const Config saved = Config::load(schema, saved_path, {});
+  std::vector<std::string> same_runtime = overrides;
+  same_runtime.push_back("model.threads=" + std::to_string(saved.get_int("model.threads")));
+  same_runtime.push_back("model.device=" + yaml_quote(saved.get_string("model.device")));
+  const std::string want = saved.to_yaml(), got = Config::load(schema, config_path, same_runtime).to_yaml();
+  if (want == got) return saved.hash();
+  std::istringstream a(want), b(got);
+  std::string la, lb;
+  while (std::getline(a, la) && std::getline(b, lb) && la == lb) {}
+  const auto trim = [](std::string& line) { line.erase(0, line.find_first_not_of(' ')); };
+  trim(la);
+  trim(lb);
+  fail(saved_path, "--resume", "this config differs from the run's (run: '" + la + "', now: '" + lb +
+                                   "'); resume needs the same config");
+}
+
+}  // namespace
+
+int cmd_train(int argc, char** argv) {
+  const std::vector<std::string> overrides = extract_overrides(argc, argv);
+  const ConfigSchema schema = train_schema();
+  cxxopts::Options o("kvbound train", "Train a learned KV-eviction method on the frozen backbone. Override any config "
+                                      "key with --set key=value (e.g. --set train.lr=1e-3).");
+  o.add_options()("config", "YAML config (see configs/trimkv/)", cxxopts::value<std::string>())(
+      "resume", "continue run.out_dir's latest checkpoint (same config; model.threads may differ)")(
+      "stop-after", "stop after N updates in this invocation, with a checkpoint", cxxopts::value<std::int64_t>())(
+      "h,help", "show help");
+  o.parse_positional({"config"});
+  o.positional_help("CONFIG");
+  const auto r = o.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << o.help() << "\nmethods (train.method):\n";
+    for (const MethodRegistration* m : method_registry())
+      std::cout << "  " << m->name << std::string(10 - std::min<std::size_t>(9, std::strlen(m->name)), ' ') << m->summary << "\n";
+    std::cout << "\nconfig keys:\n" << schema.describe() << "\n";
+    return 0;
+  }
+  const std::string config_path = r.count("config") ? r["config"].as<std::string>() : "";
+  const Config config = Config::load(schema, config_path, overrides);
+  TrainerSettings settings = trainer_settings(config);
+  settings.resume = r.count("resume") > 0;
+  const std::string run_dir = config.get_string("run.out_dir");
+  // A resumed run keeps its identity (the hash its checkpoints and exports carry), whatever model.threads is now.
+  const std::string config_hash = settings.resume ? check_same_run(schema, config_path, overrides, run_dir) : config.hash();
+  if (r.count("stop-after")) {
+    settings.stop_after = r["stop-after"].as<std::int64_t>();
+    if (settings.stop_after < 1) fail("--stop-after", "N", "must be >= 1");
+  }
+  const ConfiguredModel loaded = load_configured_model(config);
+  const auto& model = loaded.model;
+  auto method = make_method(config, *model);
+  const TrainingRows rows(config.get_string("data.train_text"), *loaded.tokenizer, config.get_int("train.seq_len"),
+                          static_cast<std::uint64_t>(config.get_int("train.seed")));
+  std::cerr << "[train] " << method->name() << " on " << loaded.model_path << ": " << rows.num_rows() << " rows of <= "
+            << rows.seq_len() << " tokens from " << rows.num_tokens() << " tokens\n";
+  RunState run(run_dir, config_hash, config.get_int("train.keep_checkpoints"));
+  Trainer trainer(*method, rows, settings, run);
+
+  std::filesystem::create_directories(run_dir);
+  if (!settings.resume) {
+    if (!latest_checkpoint_path(run_dir).empty())
+      fail(run_dir, "run.out_dir", "already holds a run; pass --resume to continue it or choose another folder");
+    config.write(run_dir + "/config.yaml");
+  }
+  MetricsLog metrics(run.metrics_path(), config.get_int("train.log_every"));
+  ProgressLine progress;
+  PeriodicEval eval(*model, periodic_eval(config, *model, *loaded.tokenizer), metrics, run);
+  for (TrainerCallback* callback : std::initializer_list<TrainerCallback*>{&metrics, &progress, &eval})
+    trainer.add_callback(callback);
+  const TrainSummary summary = trainer.run();
+  std::cout << "[train] steps " << summary.first_step << " -> " << summary.last_step << " in " << summary.seconds
+            << " s (" << summary.tokens_per_second << " tokens/s), last loss " << summary.last_loss;
+  if (eval.best())
+    std::cout << ", best eval KL " << eval.best()->kl << " at step " << eval.best()->step << " (M=" << eval.budget() << ")";
+  std::cout << "\n[train] run folder: " << run_dir << " (export: kvbound export " << run_dir << " --best --out "
+            << method->name() << ".safetensors)\n";
+  return 0;
+}
+
+}  // namespace kvbound

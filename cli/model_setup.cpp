@@ -1,0 +1,84 @@
+#include "cli/model_setup.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "base/errors.h"
+#include "ops/device.h"
+
+namespace kvbound {
+namespace {
+
+constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+void apply_threads(std::int64_t threads) {
+  at::set_num_threads(threads > 0 ? static_cast<int>(threads)
+                                  : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+}
+
+// `where` names the option or config key in the error ("--dtype", "config: model.dtype").
+at::ScalarType parse_dtype(const std::string& value, const std::string& where) {
+  if (value == "float32" || value == "fp32") return at::kFloat;
+  if (value == "bfloat16" || value == "bf16") return at::kBFloat16;
+  throw Error(where + ": unknown dtype '" + value + "' (float32, bfloat16)");
+}
+
+}  // namespace
+
+// $KVBOUND_MODEL_DIR, else models/ beside the build folder that holds this binary, else ./models.
+std::string default_model_path() {
+  namespace fs = std::filesystem;
+  if (const char* dir = std::getenv("KVBOUND_MODEL_DIR")) return (fs::path(dir) / kDefaultModelFile).string();
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path candidate = exe.parent_path().parent_path() / "models" / kDefaultModelFile;
+    if (fs::exists(candidate)) return candidate.string();
+  }
+  return (fs::path("models") / kDefaultModelFile).string();
+}
+
+void add_model_options(cxxopts::Options& o) {
+  o.add_options()("model", "HF folder (config.json + *.safetensors) or .gguf file",
+                  cxxopts::value<std::string>()->default_value(default_model_path()))(
+      "dtype", "compute dtype: float32 | bfloat16", cxxopts::value<std::string>()->default_value("float32"))(
+      "threads", "CPU threads (0 = all cores)", cxxopts::value<int>()->default_value("0"))(
+      "device", "compute device: cpu | cuda | cuda:N", cxxopts::value<std::string>()->default_value("cpu"))(
+      "h,help", "show this help");
+}
+
+std::unique_ptr<Backbone> load_backbone_from_options(const cxxopts::ParseResult& r) {
+  if (r["threads"].as<int>() < 0) fail("--threads", "", "must be >= 0");
+  apply_threads(r["threads"].as<int>());
+  const c10::Device device = resolve_device(r["device"].as<std::string>(), "--device");
+  return Backbone::load(r["model"].as<std::string>(), parse_dtype(r["dtype"].as<std::string>(), "--dtype"), device);
+}
+
+void add_model_keys(ConfigSchema& s) {
+  s.add("model.path", ConfigType::String, yaml_quote(default_model_path()), "HF folder or .gguf file (frozen backbone)")
+      .add("model.tokenizer", ConfigType::String, "\"\"", "tokenizer file (empty: the one beside model.path)")
+      .add("model.dtype", ConfigType::String, "float32", "compute dtype: float32 | bfloat16")
+      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
+      .add("model.device", ConfigType::String, "cpu", "compute device: cpu | cuda | cuda:N");
+}
+
+ConfiguredModel load_configured_model(const Config& config) {
+  const std::int64_t threads = config.get_int("model.threads");
+  if (threads < 0) fail("config", "model.threads", "must be >= 0");
+  apply_threads(threads);
+  const at::ScalarType dtype = parse_dtype(config.get_string("model.dtype"), "config: model.dtype");
+  const c10::Device device = resolve_device(config.get_string("model.device"), "config: model.device");
+  ConfiguredModel m;
+  m.model_path = config.get_string("model.path");
+  m.tokenizer_path = config.get_string("model.tokenizer").empty() ? find_tokenizer_beside(m.model_path)
+                                                                  : config.get_string("model.tokenizer");
+  m.tokenizer = load_tokenizer(m.tokenizer_path);
+  m.model = Backbone::load(m.model_path, dtype, device);
+  return m;
+}
+
+}  // namespace kvbound

@@ -1,0 +1,86 @@
+#include "train/method_registry.h"
+
+#include <filesystem>
+
+#include "base/errors.h"
+#include "train/run_checkpoint.h"
+
+namespace kvbound {
+namespace methods {
+#define KVBOUND_METHOD(NAME) extern const MethodRegistration NAME;
+#include "train/method_list.h"
+#undef KVBOUND_METHOD
+}  // namespace methods
+
+const std::vector<const MethodRegistration*>& method_registry() {
+  static const std::vector<const MethodRegistration*> all = {
+#define KVBOUND_METHOD(NAME) &methods::NAME,
+#include "train/method_list.h"
+#undef KVBOUND_METHOD
+  };
+  return all;
+}
+
+std::vector<std::string> method_names() {
+  std::vector<std::string> names;
+  for (const MethodRegistration* m : method_registry()) names.emplace_back(m->name);
+  return names;
+}
+
+const MethodRegistration& find_method(const std::string& name, const std::string& key) {
+  for (const MethodRegistration* m : method_registry())
+    if (name == m->name) return *m;
+  std::string known;
+  for (const auto& n : method_names()) known += (known.empty() ? "" : ", ") + n;
+  fail("config", key, "unknown method '" + name + "' (known: " + known + ")");
+}
+
+const MethodRegistration* method_serving(const std::string& policy, const Config& config) {
+  for (const MethodRegistration* m : method_registry())
+    if (m->eval_policy(config) == policy) return m;
+  return nullptr;
+}
+
+void declare_method_train_keys(ConfigSchema& schema) {
+  for (const MethodRegistration* m : method_registry()) m->declare_train_keys(schema);
+}
+
+void declare_method_eval_keys(ConfigSchema& schema) {
+  for (const MethodRegistration* m : method_registry()) m->declare_eval_keys(schema);
+}
+
+SafetensorsFile read_weights(const std::string& path, const std::string& key) {
+  try {
+    return read_safetensors(path);
+  } catch (const Error& e) {
+    throw Error(key + ": " + e.what());
+  }
+}
+
+std::string resolve_weights_path(const std::string& run_or_export, const std::string& key) {
+  if (!std::filesystem::is_directory(run_or_export)) return run_or_export;
+  return run_weights_path(run_or_export, std::filesystem::exists(run_or_export + "/best.safetensors"), key);
+}
+
+void load_weights_key(const Config& config, const std::string& key, const Backbone& model, TrainedModules& modules,
+                      std::map<std::string, std::string>& meta,
+                      void (*load)(const SafetensorsFile&, const std::string&, const std::string&, const Backbone&,
+                                   TrainedModules&)) {
+  const std::string path = config.get_string(key);
+  if (path.empty()) return;
+  load(read_weights(path, key), path, key, model, modules);
+  meta[key] = path;
+}
+
+void load_init_from(MethodSetup& setup, const MethodRegistration& from) {
+  const std::string key = "train.init_from";
+  const std::string given = setup.config.get_string(key);
+  if (given.empty()) fail("config", key, "needs the " + std::string(from.name) + " run folder (or its export) to start from");
+  const std::string path = resolve_weights_path(given, key);
+  const SafetensorsFile file = read_weights(path, key);
+  const auto meta = [&](const char* k) { return file.metadata.count(k) ? file.metadata.at(k) : std::string(); };
+  from.load(file, path, key, setup.model, setup.init_modules);
+  setup.init_metadata = {{"init_from", path}, {"init_from_step", meta("step")}, {"init_from_config_hash", meta("config_hash")}};
+}
+
+}  // namespace kvbound
