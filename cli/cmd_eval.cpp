@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
@@ -88,7 +89,10 @@ int cmd_eval(int argc, char** argv) {
   o.positional_help("CONFIG");
   const auto r = o.parse(argc, argv);
   if (r.count("help")) {
-    std::cout << o.help() << "\nconfig keys:\n" << schema.describe() << "\n";
+    std::cout << o.help() << "\npolicies (eval.policies; any bounded one also as POLICY+mem, with a latent memory):\n";
+    for (const PolicyRegistration* p : policy_registry())
+      std::cout << "  " << p->name << std::string(15 - std::min<std::size_t>(14, std::strlen(p->name)), ' ') << p->summary << "\n";
+    std::cout << "\nconfig keys:\n" << schema.describe() << "\n";
     return 0;
   }
   const Config config = Config::load(schema, r.count("config") ? r["config"].as<std::string>() : "", overrides);

@@ -148,7 +148,7 @@ int cmd_train(int argc, char** argv) {
   cxxopts::Options o("kvbound train", "Train a learned KV-eviction method on the frozen backbone. Override any config "
                                       "key with --set key=value (e.g. --set train.lr=1e-3).");
   o.add_options()("config", "YAML config (see configs/trimkv/)", cxxopts::value<std::string>())(
-      "resume", "continue run.out_dir's latest checkpoint (same config; model.threads may differ)")(
+      "resume", "continue run.out_dir's latest checkpoint (same config; model.threads and model.device may differ)")(
       "stop-after", "stop after N updates in this invocation, with a checkpoint", cxxopts::value<std::int64_t>())(
       "h,help", "show help");
   o.parse_positional({"config"});

@@ -24,7 +24,7 @@ const std::vector<Subcommand>& subcommands() {
       {"info", "print a model's architecture, sizes, dtypes and parameter count", cmd_info},
       {"generate", "continue a prompt with the frozen backbone", cmd_generate},
       {"prepare", "tokenize text/jsonl files into an HDF5 token dataset", cmd_prepare},
-      {"train", "train TRIM-KV gates, an IndexMem indexer or a latent memory on the frozen backbone (YAML)", cmd_train},
+      {"train", "train a learned method (TRIM-KV gates, IndexMem indexer, latent memory, joint) on the frozen backbone", cmd_train},
       {"export", "write a run's trained weights (gates, indexer, memory) as one safetensors file", cmd_export},
       {"eval", "compare KV eviction policies under budgets (YAML config)", cmd_eval},
   };

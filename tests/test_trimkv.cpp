@@ -174,6 +174,23 @@ TEST(TrainingRows, RowsStartWithBosStayInOneDocumentAndShiftTargets) {
   EXPECT_EQ(pos.cursor, 1);
 }
 
+// Data parallelism: rank r of `world` gets rows [r·B, (r+1)·B) of the global batch a single process with batch
+// world·B would get, across an epoch boundary too, and every rank's position moves past the whole global batch.
+TEST(TrainingRows, ShardsSplitTheGlobalBatchInRankOrder) {
+  const auto tokenizer = load_tokenizer(test::asset("stories260K/tok512.bin"));
+  const TrainingRows rows(test::asset("text/tinystories_valid_first794KB_hf.txt"), *tokenizer, 16, 7);
+  DataPosition alone{0, rows.num_rows() - 3};  // the global batch of 6 crosses into epoch 1
+  const Batch global = rows.next(6, alone);
+  for (std::int64_t rank = 0; rank < 2; ++rank) {
+    DataPosition pos{0, rows.num_rows() - 3};
+    const Batch shard = rows.next(3, pos, Shard{rank, 2});
+    EXPECT_TRUE(at::equal(shard.inputs, global.inputs.narrow(0, 3 * rank, 3))) << "rank " << rank;
+    EXPECT_TRUE(at::equal(shard.weights, global.weights.narrow(0, 3 * rank, 3))) << "rank " << rank;
+    EXPECT_EQ(pos.epoch, alone.epoch);
+    EXPECT_EQ(pos.cursor, alone.cursor);
+  }
+}
+
 // The real CLI on stories260K: tiny runs (2 rows of 32 tokens per step, one thread).
 class TrainCli : public ::testing::Test {
  protected:
