@@ -1,6 +1,6 @@
 // `kvbound train CONFIG [--set key=value ...] [--resume] [--stop-after N]`: trains a learned method's
 // modules on the frozen backbone (train.method: any registered method, train/method_list.h) and writes the run folder
-// described in train/trainer.h. `--resume` continues run.out_dir's latest checkpoint bit-identically
+// described in train/run_state.h. `--resume` continues run.out_dir's latest checkpoint bit-identically
 // (same config required; model.threads may differ); `--stop-after N` ends this invocation after N
 // updates with a checkpoint (time-sliced jobs).
 #include <ATen/core/grad_mode.h>

@@ -117,6 +117,21 @@ TEST(Cli, AnUnavailableDeviceIsOneLineNamingTheKey) {
   }
 }
 
+// Every config the repository ships resolves against its command's schema (train for configs/trimkv and
+// configs/indexmem, eval for configs/eval): with the model pointed nowhere, the first error is the model's.
+TEST(Cli, EveryShippedConfigResolves) {
+  int seen = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(KVBOUND_CONFIGS)) {
+    if (entry.path().extension() != ".yaml") continue;
+    const std::string command = entry.path().parent_path().filename() == "eval" ? "eval" : "train";
+    const CliRun r = run(command + " " + quote(entry.path().string()) + " --set model.path=/nonexistent/model");
+    EXPECT_EQ(r.code, 1) << entry.path();
+    EXPECT_NE(r.err.find("error: /nonexistent/model: "), std::string::npos) << entry.path() << ": " << r.err;
+    ++seen;
+  }
+  EXPECT_GE(seen, 10);
+}
+
 TEST(Cli, InfoCountsTheGgufQuantTypes) {
   KVBOUND_REQUIRE_FILE(kvbound::test::default_model());
   const CliRun r = run("info --model " + quote(kvbound::test::default_model()));

@@ -134,16 +134,11 @@ IndexerSettings indexer_settings_of(const Config& c) {
   return s;
 }
 
-void load_indexer(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
-                  TrainedModules& modules) {
-  try {
-    auto indexer = std::make_shared<Indexer>(
-        Indexer::from_tensors(file.tensors, model.config(), indexer_settings(file.metadata, path), path));
-    indexer->to(model.device());
-    modules.add<Indexer>(indexer);
-  } catch (const Error& e) {
-    throw Error(key + ": " + e.what());
-  }
+void load_indexer(const SafetensorsFile& file, const std::string& path, const Backbone& model, TrainedModules& modules) {
+  auto indexer = std::make_shared<Indexer>(
+      Indexer::from_tensors(file.tensors, model.config(), indexer_settings(file.metadata, path), path));
+  indexer->to(model.device());
+  modules.add<Indexer>(indexer);
 }
 
 }  // namespace

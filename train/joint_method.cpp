@@ -67,10 +67,9 @@ std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
 }
 
 // A joint export holds an indexer and a memory: it serves as indexmem.weights and as memory.weights.
-void load_both(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
-               TrainedModules& modules) {
-  find_method("indexmem").load(file, path, key, model, modules);
-  find_method("memory").load(file, path, key, model, modules);
+void load_both(const SafetensorsFile& file, const std::string& path, const Backbone& model, TrainedModules& modules) {
+  find_method("indexmem").load(file, path, model, modules);
+  find_method("memory").load(file, path, model, modules);
 }
 
 }  // namespace

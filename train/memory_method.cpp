@@ -145,23 +145,19 @@ MemorySettings memory_settings(const MethodSetup& setup) {
 namespace methods {
 namespace {
 
-void load_memory(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
-                 TrainedModules& modules, const std::string& serves) {
-  try {
-    const auto trained_under = file.metadata.find("memory_policy");
-    if (!serves.empty() && trained_under != file.metadata.end() && trained_under->second != serves)
-      fail(path, "memory_policy", "this memory was trained under '" + trained_under->second + "', not '" + serves + "'");
-    auto memory = std::make_shared<LatentMemory>(LatentMemory::from_tensors(file.tensors, model.config(), path));
-    memory->to(model.device());
-    modules.add<LatentMemory>(memory, serves);
-  } catch (const Error& e) {
-    throw Error(key + ": " + e.what());
-  }
+// A memory serves the policy it was trained under (`serves`; "" accepts any).
+void load_memory(const SafetensorsFile& file, const std::string& path, const Backbone& model, TrainedModules& modules,
+                 const std::string& serves) {
+  const auto trained_under = file.metadata.find("memory_policy");
+  if (!serves.empty() && trained_under != file.metadata.end() && trained_under->second != serves)
+    fail(path, "memory_policy", "this memory was trained under '" + trained_under->second + "', not '" + serves + "'");
+  auto memory = std::make_shared<LatentMemory>(LatentMemory::from_tensors(file.tensors, model.config(), path));
+  memory->to(model.device());
+  modules.add<LatentMemory>(memory, serves);
 }
 
-void load_any(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
-              TrainedModules& modules) {
-  load_memory(file, path, key, model, modules, "");
+void load_any(const SafetensorsFile& file, const std::string& path, const Backbone& model, TrainedModules& modules) {
+  load_memory(file, path, model, modules, "");
 }
 
 void load_for_eval(const Config& c, const Backbone& model, TrainedModules& modules, std::map<std::string, std::string>& meta) {
@@ -173,8 +169,10 @@ void load_for_eval(const Config& c, const Backbone& model, TrainedModules& modul
     const std::vector<std::string> known = policy_names();
     if (eq == std::string::npos || eq + 1 == entry.size() || std::find(known.begin(), known.end(), policy) == known.end())
       fail("config", "memory.weights_for", "'" + entry + "' is not POLICY=FILE with a known base policy");
-    const std::string path = entry.substr(eq + 1);
-    load_memory(read_weights(path, "memory.weights_for"), path, "memory.weights_for", model, modules, policy);
+    load_weights(entry.substr(eq + 1), "memory.weights_for", model, modules,
+                 [&policy](const SafetensorsFile& file, const std::string& path, const Backbone& m, TrainedModules& into) {
+                   load_memory(file, path, m, into, policy);
+                 });
     memory_for += (memory_for.empty() ? "" : ", ") + entry;
   }
   if (!memory_for.empty()) meta["memory.weights_for"] = memory_for;

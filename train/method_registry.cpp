@@ -49,9 +49,12 @@ void declare_method_eval_keys(ConfigSchema& schema) {
   for (const MethodRegistration* m : method_registry()) m->declare_eval_keys(schema);
 }
 
-SafetensorsFile read_weights(const std::string& path, const std::string& key) {
+std::map<std::string, std::string> load_weights(const std::string& path, const std::string& key, const Backbone& model,
+                                                TrainedModules& modules, const WeightsLoader& load) {
   try {
-    return read_safetensors(path);
+    const SafetensorsFile file = read_safetensors(path);
+    load(file, path, model, modules);
+    return file.metadata;
   } catch (const Error& e) {
     throw Error(key + ": " + e.what());
   }
@@ -63,12 +66,10 @@ std::string resolve_weights_path(const std::string& run_or_export, const std::st
 }
 
 void load_weights_key(const Config& config, const std::string& key, const Backbone& model, TrainedModules& modules,
-                      std::map<std::string, std::string>& meta,
-                      void (*load)(const SafetensorsFile&, const std::string&, const std::string&, const Backbone&,
-                                   TrainedModules&)) {
+                      std::map<std::string, std::string>& meta, const WeightsLoader& load) {
   const std::string path = config.get_string(key);
   if (path.empty()) return;
-  load(read_weights(path, key), path, key, model, modules);
+  load_weights(path, key, model, modules, load);
   meta[key] = path;
 }
 
@@ -77,9 +78,8 @@ void load_init_from(MethodSetup& setup, const MethodRegistration& from) {
   const std::string given = setup.config.get_string(key);
   if (given.empty()) fail("config", key, "needs the " + std::string(from.name) + " run folder (or its export) to start from");
   const std::string path = resolve_weights_path(given, key);
-  const SafetensorsFile file = read_weights(path, key);
-  const auto meta = [&](const char* k) { return file.metadata.count(k) ? file.metadata.at(k) : std::string(); };
-  from.load(file, path, key, setup.model, setup.init_modules);
+  const std::map<std::string, std::string> metadata = load_weights(path, key, setup.model, setup.init_modules, from.load);
+  const auto meta = [&](const char* k) { return metadata.count(k) ? metadata.at(k) : std::string(); };
   setup.init_metadata = {{"init_from", path}, {"init_from_step", meta("step")}, {"init_from_config_hash", meta("config_hash")}};
 }
 

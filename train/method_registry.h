@@ -5,6 +5,7 @@
 // `export`, `eval` and `--resume` know the methods only through this registry.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -29,6 +30,11 @@ struct MethodSetup {
   std::map<std::string, std::string> init_metadata;   // init_from, init_from_step, init_from_config_hash
 };
 
+// Loads the trained modules of an export or checkpoint (`path`) as constants checked against the backbone,
+// on its device, into `modules`; errors name the file and the tensor (callers put the config key in front).
+using WeightsLoader = std::function<void(const SafetensorsFile& file, const std::string& path, const Backbone& model,
+                                         TrainedModules& modules)>;
+
 struct MethodRegistration {
   const char* name;     // the value of train.method (and the "method" of its checkpoints and exports)
   const char* summary;  // one line for --help
@@ -42,10 +48,8 @@ struct MethodRegistration {
   // The eviction policy that serves the method in eval: "trimkv", "indexmem", "<memory.policy>+mem", ...
   std::string (*eval_policy)(const Config& config);
   std::unique_ptr<TrainingMethod> (*make)(MethodSetup& setup);
-  // The trained modules of an export or checkpoint of this method (`path`, named by config key `key`), as
-  // constants checked against the backbone, into `modules`.
-  void (*load)(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
-               TrainedModules& modules);
+  // The trained modules of an export or checkpoint of this method.
+  WeightsLoader load;
   // `kvbound eval`: the modules the files its eval keys name (none set: nothing), recorded in `meta`.
   void (*load_for_eval)(const Config& config, const Backbone& model, TrainedModules& modules,
                         std::map<std::string, std::string>& meta);
@@ -61,17 +65,17 @@ const MethodRegistration* method_serving(const std::string& policy, const Config
 void declare_method_train_keys(ConfigSchema& schema);
 void declare_method_eval_keys(ConfigSchema& schema);
 
-// Reads a weights file, putting the config key that named it in front of any error ("KEY: FILE: ...").
-SafetensorsFile read_weights(const std::string& path, const std::string& key);
+// Reads the weights file that config key `key` names and hands it to `load`, putting the key in front of any
+// error ("KEY: FILE: TENSOR: ..."). Returns the file's metadata.
+std::map<std::string, std::string> load_weights(const std::string& path, const std::string& key, const Backbone& model,
+                                                TrainedModules& modules, const WeightsLoader& load);
 // The weights a run folder or an export holds: a folder gives its best.safetensors when it has one, else its
 // latest checkpoint. Errors name `key`.
 std::string resolve_weights_path(const std::string& run_or_export, const std::string& key);
 
 // For load_for_eval: when config key `key` names a file, reads it and hands it to `load`, and records it in `meta`.
 void load_weights_key(const Config& config, const std::string& key, const Backbone& model, TrainedModules& modules,
-                      std::map<std::string, std::string>& meta,
-                      void (*load)(const SafetensorsFile&, const std::string&, const std::string&, const Backbone&,
-                                   TrainedModules&));
+                      std::map<std::string, std::string>& meta, const WeightsLoader& load);
 
 // The stage-1 weights train.init_from names, loaded by `from`'s loader into setup.init_modules (with their
 // identity in setup.init_metadata); kvbound::Error naming train.init_from when it is empty or lacks a tensor

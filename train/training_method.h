@@ -1,6 +1,6 @@
 // What a learned method gives the trainer (train/trainer.h): its trainable tensors under their export
-// names, a loss for a batch, and the eviction policy that evaluates it. TRIM-KV is one
-// (train/trimkv_method.h); IndexMem's stages plug in the same way.
+// names, a loss for a batch, and the eviction policy that evaluates it. Each method's registration
+// (train/method_registry.h) builds one from a run's config: trimkv, indexmem, memory, joint.
 #pragma once
 #include <ATen/core/Tensor.h>
 

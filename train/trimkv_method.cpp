@@ -67,15 +67,10 @@ std::map<std::string, std::string> TrimKVMethod::metadata() const {
 namespace methods {
 namespace {
 
-void load_gates(const SafetensorsFile& file, const std::string& path, const std::string& key, const Backbone& model,
-                TrainedModules& modules) {
-  try {
-    auto gates = std::make_shared<RetentionGates>(RetentionGates::from_tensors(file.tensors, model.config(), path));
-    gates->to(model.device());
-    modules.add<RetentionGates>(gates);
-  } catch (const Error& e) {
-    throw Error(key + ": " + e.what());
-  }
+void load_gates(const SafetensorsFile& file, const std::string& path, const Backbone& model, TrainedModules& modules) {
+  auto gates = std::make_shared<RetentionGates>(RetentionGates::from_tensors(file.tensors, model.config(), path));
+  gates->to(model.device());
+  modules.add<RetentionGates>(gates);
 }
 
 std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {

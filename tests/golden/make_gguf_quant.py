@@ -83,8 +83,8 @@ def write_smollm2_goldens(out_dir):
     default = os.path.join(os.path.dirname(__file__), "..", "..", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
     path = os.environ.get("KVBOUND_DEFAULT_MODEL", default)
     if not os.path.exists(path):
-        print(f"make_gguf_quant: {path} is missing; no SmolLM2 q/k/v goldens", file=sys.stderr)
-        return
+        print(f"make_gguf_quant: {path} is missing; run scripts/setup.sh", file=sys.stderr)
+        sys.exit(1)
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     reader = gguf.GGUFReader(path)

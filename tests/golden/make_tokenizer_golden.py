@@ -6,8 +6,8 @@ Writes into OUTDIR:
   variants.json  [{"name", "file", "roundtrip", "ids", "ids_with_bos"}]: the same vocabulary under other
                  normalizers / pre-tokenizers / post-processors (Llama-3, Qwen2, the hub's SmolLM2 style and
                  every Split behaviour), each saved as variants/NAME/tokenizer.json and encoded by `tokenizers`
-  stories260K_tok512.gguf  tok512.bin's pieces as a metadata-only GGUF (tokenizer.ggml.model = llama),
-                 when the shared stories260K data is present
+  stories260K_tok512.gguf  assets/stories260K/tok512.bin's pieces as a metadata-only GGUF
+                 (tokenizer.ggml.model = llama)
 """
 import copy
 import json
@@ -171,11 +171,7 @@ def write_tok512_gguf(out_dir):
     """tok512.bin's pieces as a sentencepiece-style GGUF vocabulary (spaces spelled U+2581)."""
     import gguf
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data",
-                        "stories260K", "tok512.bin")
-    if not os.path.exists(path):
-        print(f"no {path}: skipping stories260K_tok512.gguf", file=sys.stderr)
-        return
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "assets", "stories260K", "tok512.bin")
     data = open(path, "rb").read()
     offset, pieces, scores = 4, [], []
     while offset < len(data):
