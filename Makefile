@@ -3,7 +3,9 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 PY := .venv/bin/python
-TORCH_PREFIX = $(shell $(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+# Where the wheel keeps TorchConfig.cmake, found without importing torch: the wheel is installed --no-deps,
+# and `import torch` needs Python packages only the test setup installs (typing_extensions, ...).
+TORCH_PREFIX = $(shell $(PY) -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("torch").origin), "share", "cmake"))')
 
 .PHONY: setup setup-test configure build quickstart test bench clean
 
