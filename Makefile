@@ -7,7 +7,7 @@ PY := .venv/bin/python
 # and `import torch` needs Python packages only the test setup installs (typing_extensions, ...).
 TORCH_PREFIX = $(shell $(PY) -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("torch").origin), "share", "cmake"))')
 
-.PHONY: setup setup-test configure build quickstart test bench clean
+.PHONY: setup setup-test configure build build-cli quickstart test bench clean
 
 setup:
 	scripts/setup.sh
@@ -24,8 +24,12 @@ configure: $(BUILD)/build.ninja
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The kvbound binary alone: what the quickstart runs (no tests, fuzzers or benches).
+build-cli: configure
+	cmake --build $(BUILD) -j $(JOBS) --target kvbound
+
 quickstart: setup
-	$(MAKE) build
+	$(MAKE) build-cli
 	scripts/quickstart.sh $(BUILD)
 
 test: setup-test
