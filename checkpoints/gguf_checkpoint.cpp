@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <set>
 #include <vector>
@@ -218,6 +219,8 @@ LoadedCheckpoint load_gguf_checkpoint(const std::string& path, at::ScalarType dt
   checkpoint.config = gguf_model_config(file);
   checkpoint.source = path;
   checkpoint.format = "gguf";
+  checkpoint.name = file.get_string("general.name", std::filesystem::path(path).stem().string());
+  checkpoint.weight_files = {path};
 
   // Check names, shapes and types of everything before decoding anything.
   const std::vector<ExpectedTensor> expected = expected_tensors(checkpoint.config);

@@ -37,6 +37,9 @@ struct ModelConfig {
 
   // Throws kvbound::Error("source: field: ...") when a value is missing or inconsistent.
   void validate(const std::string& source) const;
+  // The Hugging Face config.json a transformers model of this architecture is built from (model_type,
+  // architectures, sizes, RoPE, activation, tying, special tokens), as a JSON object's text.
+  std::string to_hf_json() const;
 };
 
 }  // namespace kvbound

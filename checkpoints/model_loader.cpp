@@ -122,6 +122,11 @@ LoadedCheckpoint load_checkpoint(const std::string& path, at::ScalarType dtype) 
   ck.source = path;
   ck.format = "safetensors";
   ck.config = read_hf_config((fs::path(path) / "config.json").string());
+  const json config = read_json_file((fs::path(path) / "config.json").string());
+  const std::string named = config.contains("_name_or_path") && config["_name_or_path"].is_string()
+                                ? config["_name_or_path"].get<std::string>() : "";
+  ck.name = named.empty() ? fs::path(path).lexically_normal().filename().string() : named;
+  if (ck.name.empty()) ck.name = fs::path(path).lexically_normal().parent_path().filename().string();  // "dir/"
   const fs::path index = fs::path(path) / "model.safetensors.index.json";
   const fs::path single = fs::path(path) / "model.safetensors";
   if (fs::exists(index)) {
@@ -137,11 +142,13 @@ LoadedCheckpoint load_checkpoint(const std::string& path, at::ScalarType dtype) 
     for (const auto& [shard, names] : by_shard) {
       const std::string shard_path = (fs::path(path) / shard).string();
       load_safetensors_file(shard_path, dtype, ck, &names);
+      ck.weight_files.push_back(shard_path);
       for (const auto& n : names)
         if (!ck.tensors.count(n)) fail(shard_path, n, "listed in the index but missing from the shard");
     }
   } else if (fs::exists(single)) {
     load_safetensors_file(single.string(), dtype, ck, nullptr);
+    ck.weight_files.push_back(single.string());
   } else {
     fail(path, "", "no model.safetensors or model.safetensors.index.json in the folder");
   }

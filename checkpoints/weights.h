@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "checkpoints/model_config.h"
 
@@ -17,6 +18,8 @@ struct LoadedCheckpoint {
   std::map<std::string, at::Tensor> tensors;
   std::string source;  // path it came from, for error messages
   std::string format;  // "safetensors" or "gguf"
+  std::string name;    // the model's own name (config.json _name_or_path, GGUF general.name), else the path's stem
+  std::vector<std::string> weight_files;  // the files the tensors came from, in load order (content identity)
   std::map<std::string, std::int64_t> stored_types;  // on-disk dtype/quant type -> tensor count (for `info`)
 };
 

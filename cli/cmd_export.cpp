@@ -1,7 +1,8 @@
-// `kvbound export RUN_DIR --out FILE [--best]`: the trained tensors of a run (its latest checkpoint, or
-// the best periodic eval with --best) as one safetensors file for serving stacks, without optimizer state.
-// TRIM-KV tensors keep the official release's names (model.layers.{i}.self_attn.retention_gate.*); the
-// metadata header says what they are: method, backbone identity, budget, step, config hash.
+// `kvbound export RUN_DIR --out PATH [--best] [--format F]`: the trained tensors of a run (its latest
+// checkpoint, or the best periodic eval with --best) without optimizer state, for serving stacks: by default
+// one safetensors file whose metadata header says what they are (method, backbone identity, budget, step,
+// config hash); other formats come from the method's registration (trimkv: the official release's folder).
+// TRIM-KV tensors keep the official release's names (model.layers.{i}.self_attn.retention_gate.*).
 #include <algorithm>
 #include <cxxopts.hpp>
 #include <iostream>
@@ -21,6 +22,8 @@ int cmd_export(int argc, char** argv) {
   o.add_options()("run_dir", "run folder of `kvbound train`", cxxopts::value<std::string>())(
       "o,out", "output .safetensors file", cxxopts::value<std::string>())(
       "best", "export the weights of the best periodic eval (best.safetensors) instead of the latest checkpoint")(
+      "format", "safetensors (one file, any method) or a method's own format (trimkv: the official release's folder)",
+      cxxopts::value<std::string>()->default_value("safetensors"))(
       "h,help", "show help");
   o.parse_positional({"run_dir"});
   o.positional_help("RUN_DIR");
@@ -42,12 +45,25 @@ int cmd_export(int argc, char** argv) {
   // the checkpoint format) stays behind, everything the method recorded passes through.
   const auto method = file.metadata.find("method");
   if (method == file.metadata.end()) fail(source, "__metadata__.method", "missing (not a kvbound run?)");
-  const std::vector<std::string> known = method_names();
-  if (std::find(known.begin(), known.end(), method->second) == known.end())
-    fail(source, "__metadata__.method", "'" + method->second + "' is not a registered method");
+  const MethodRegistration& registration = find_method(method->second, source + ": __metadata__.method");
   std::map<std::string, std::string> meta;
   for (const auto& [key, value] : file.metadata)
     if (!is_run_bookkeeping(key)) meta[key] = value;
+  const std::string format = r["format"].as<std::string>();
+  if (format != "safetensors") {
+    std::string known = "safetensors";
+    for (const ExportFormat& f : registration.export_formats) {
+      if (format != f.name) {
+        known += std::string(", ") + f.name;
+        continue;
+      }
+      f.write(tensors, meta, source, out);
+      std::cout << "[export] " << tensors.size() << " tensors (" << meta["method"] << ", step " << meta["step"] << ") -> "
+                << out << " (" << f.name << ": " << f.summary << ")\n";
+      return 0;
+    }
+    fail("--format", format, "not a format of method " + method->second + " (" + known + ")");
+  }
   meta["format"] = "kvbound-export";
   meta["format_version"] = "1";
   meta["source"] = source;

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <set>
 
+#include "base/content_hash.h"
 #include "base/errors.h"
 #include "checkpoints/model_loader.h"
 #include "ops/rms_norm.h"
@@ -103,7 +104,8 @@ std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType
 }
 
 Backbone::Backbone(LoadedCheckpoint ck, c10::Device device)
-    : config_(ck.config), source_(ck.source), format_(ck.format), stored_types_(ck.stored_types), device_(device) {
+    : config_(ck.config), source_(ck.source), format_(ck.format), name_(ck.name), weight_files_(ck.weight_files),
+      stored_types_(ck.stored_types), device_(device) {
   config_.validate(source_);
   const auto& c = config_;
   const std::int64_t d = c.hidden_size, q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
@@ -147,6 +149,11 @@ Backbone::Backbone(LoadedCheckpoint ck, c10::Device device)
                             &L.q_norm, &L.k_norm, &L.post_norm, &L.gate_proj, &L.up_proj, &L.down_proj})
         if (w->defined()) *w = w->to(device_);
   }
+}
+
+const std::string& Backbone::content_hash() const {
+  if (content_hash_.empty()) content_hash_ = files_content_hash(weight_files_);
+  return content_hash_;
 }
 
 std::int64_t Backbone::num_parameters() const {

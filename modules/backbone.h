@@ -54,6 +54,11 @@ class Backbone {
 
   const ModelConfig& config() const { return config_; }
   const std::string& source() const { return source_; }
+  // The model's own name (config.json _name_or_path, GGUF general.name, else the path's stem) and a hash of
+  // its weight files' bytes (base/content_hash.h, computed on first use): an identity that holds on any
+  // machine, unlike the path.
+  const std::string& name() const { return name_; }
+  const std::string& content_hash() const;
   const std::string& format() const { return format_; }
   at::ScalarType dtype() const { return dtype_; }
   // Where every weight lives and every forward computes (tokens may come from the CPU).
@@ -86,7 +91,9 @@ class Backbone {
                        const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, AttentionHook* hook) const;
 
   ModelConfig config_;
-  std::string source_, format_;
+  std::string source_, format_, name_;
+  std::vector<std::string> weight_files_;
+  mutable std::string content_hash_;  // filled by content_hash()
   std::map<std::string, std::int64_t> stored_types_;
   at::ScalarType dtype_ = at::kFloat;
   c10::Device device_ = c10::kCPU;

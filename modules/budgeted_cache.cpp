@@ -38,7 +38,7 @@ void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
   view.call = &call;
   view.cache = &cache;  // the older entries only: the chunk is appended after this hook
   policy_.observe_before(view);
-  if (cache.size(call.layer) > budget_ + buffer_) cut(view, cache);
+  if (cache.size(call.layer) > policy_.tolerated_entries(budget_, buffer_)) cut(view, cache);
 }
 
 void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
@@ -58,10 +58,11 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   auto& peak = layer_peak_bytes_[static_cast<std::size_t>(layer)];
   peak = std::max(peak, bytes);
 
-  if (!policy_.bounded() || entries <= budget_ + buffer_) return;
+  const std::int64_t tolerated = policy_.tolerated_entries(budget_, buffer_);
+  if (!policy_.bounded() || entries <= tolerated) return;
   // A hook wrapping this cache must forward before_attention too, or a pre-evicting policy would never cut.
   if (policy_.pre_evicts()) {
-    TORCH_CHECK(entries - call.q.size(2) <= budget_ + buffer_,
+    TORCH_CHECK(entries - call.q.size(2) <= tolerated,
                 "pre-evicting policy: the cache was not cut before attention (a wrapping hook must forward before_attention)");
     return;
   }
@@ -70,6 +71,7 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
 
 void BudgetedCache::cut(const PolicyView& view, KVCache& cache) {
   const std::int64_t layer = view.layer;
+  if (cache.size(layer) <= budget_) return;  // a policy tolerating fewer than M entries: nothing to evict yet
   const at::Tensor scores = policy_.score(view);
   TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
   // Top-`budget` per (batch, KV head), kept in position order.

@@ -32,6 +32,8 @@ class EvictionPolicy {
   virtual ~EvictionPolicy() = default;
   // False for `full`: the cache is never cut.
   virtual bool bounded() const { return true; }
+  // The most entries a layer may hold (per KV head) after a chunk without being cut back to `budget`.
+  virtual std::int64_t tolerated_entries(std::int64_t budget, std::int64_t buffer) const { return budget + buffer; }
   // Whether observe() needs PolicyView::probs (computed only then: it costs a T x N matrix per head).
   virtual bool needs_attention() const { return false; }
   // Called after every chunk's attention, before any eviction; keeps the policy's running state

@@ -103,15 +103,10 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
 }
 
 std::map<std::string, std::string> IndexMemIndexerMethod::metadata() const {
-  const ModelConfig& c = model_.config();
   std::map<std::string, std::string> m = indexer_metadata(settings_.indexer);
+  m.merge(backbone_metadata(model_));
   m.insert({{"method", "indexmem"},
             {"stage", "indexer"},
-            {"backbone", model_.source()},
-            {"architecture", c.architecture},
-            {"num_layers", std::to_string(c.num_layers)},
-            {"hidden_size", std::to_string(c.hidden_size)},
-            {"num_kv_heads", std::to_string(c.num_kv_heads)},
             {"pool", settings_.pool_name},
             {"window", std::to_string(settings_.window)},
             {"min_gap", std::to_string(settings_.min_gap)},
@@ -169,7 +164,8 @@ extern const MethodRegistration indexmem{
     load_indexer,
     [](const Config& c, const Backbone& model, TrainedModules& modules, std::map<std::string, std::string>& meta) {
       load_weights_key(c, "indexmem.weights", model, modules, meta, load_indexer);
-    }};
+    },
+    {}};
 
 }  // namespace methods
 }  // namespace kvbound

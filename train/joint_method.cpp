@@ -88,7 +88,8 @@ extern const MethodRegistration joint{
     [](const Config&) { return std::string("indexmem+mem"); },
     make,
     load_both,
-    [](const Config&, const Backbone&, TrainedModules&, std::map<std::string, std::string>&) {}};
+    [](const Config&, const Backbone&, TrainedModules&, std::map<std::string, std::string>&) {},
+    {}};
 
 }  // namespace methods
 }  // namespace kvbound

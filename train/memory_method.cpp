@@ -108,17 +108,12 @@ StepLoss MemoryMethod::loss(const Batch& batch) {
 }
 
 std::map<std::string, std::string> MemoryMethod::metadata() const {
-  const ModelConfig& c = model_.config();
   std::string budgets;
   for (std::int64_t b : settings_.budgets) budgets += (budgets.empty() ? "" : ",") + std::to_string(b);
   std::map<std::string, std::string> m = settings_.base_weights;
+  m.merge(backbone_metadata(model_));
   m.insert({{"method", "memory"},
             {"stage", "memory"},
-            {"backbone", model_.source()},
-            {"architecture", c.architecture},
-            {"num_layers", std::to_string(c.num_layers)},
-            {"hidden_size", std::to_string(c.hidden_size)},
-            {"num_kv_heads", std::to_string(c.num_kv_heads)},
             {"d_memory", std::to_string(memory_->dim())},
             {"memory_policy", settings_.policy},
             {"memory_budgets", budgets},
@@ -213,7 +208,8 @@ extern const MethodRegistration memory{
     [](const Config& c) { return c.get_string("memory.policy") + "+mem"; },
     make,
     load_any,
-    load_for_eval};
+    load_for_eval,
+    {}};
 
 }  // namespace methods
 }  // namespace kvbound

@@ -27,12 +27,12 @@ std::vector<std::string> method_names() {
   return names;
 }
 
-const MethodRegistration& find_method(const std::string& name, const std::string& key) {
+const MethodRegistration& find_method(const std::string& name, const std::string& where) {
   for (const MethodRegistration* m : method_registry())
     if (name == m->name) return *m;
   std::string known;
   for (const auto& n : method_names()) known += (known.empty() ? "" : ", ") + n;
-  fail("config", key, "unknown method '" + name + "' (known: " + known + ")");
+  throw Error(where + ": unknown method '" + name + "' (known: " + known + ")");
 }
 
 const MethodRegistration* method_serving(const std::string& policy, const Config& config) {
@@ -47,6 +47,18 @@ void declare_method_train_keys(ConfigSchema& schema) {
 
 void declare_method_eval_keys(ConfigSchema& schema) {
   for (const MethodRegistration* m : method_registry()) m->declare_eval_keys(schema);
+}
+
+std::map<std::string, std::string> backbone_metadata(const Backbone& model) {
+  const ModelConfig& c = model.config();
+  return {{"backbone", model.name()},
+          {"backbone_hash", model.content_hash()},
+          {"backbone_source", model.source()},
+          {"backbone_config", c.to_hf_json()},
+          {"architecture", c.architecture},
+          {"num_layers", std::to_string(c.num_layers)},
+          {"hidden_size", std::to_string(c.hidden_size)},
+          {"num_kv_heads", std::to_string(c.num_kv_heads)}};
 }
 
 std::map<std::string, std::string> load_weights(const std::string& path, const std::string& key, const Backbone& model,

@@ -35,6 +35,15 @@ struct MethodSetup {
 using WeightsLoader = std::function<void(const SafetensorsFile& file, const std::string& path, const Backbone& model,
                                          TrainedModules& modules)>;
 
+// An export format beyond kvbound's own safetensors file (`kvbound export --format NAME`): writes `out` from
+// a run's trained tensors and metadata (read from `source`).
+struct ExportFormat {
+  const char* name;
+  const char* summary;
+  void (*write)(const std::map<std::string, at::Tensor>& tensors, const std::map<std::string, std::string>& metadata,
+                const std::string& source, const std::string& out);
+};
+
 struct MethodRegistration {
   const char* name;     // the value of train.method (and the "method" of its checkpoints and exports)
   const char* summary;  // one line for --help
@@ -53,17 +62,25 @@ struct MethodRegistration {
   // `kvbound eval`: the modules the files its eval keys name (none set: nothing), recorded in `meta`.
   void (*load_for_eval)(const Config& config, const Backbone& model, TrainedModules& modules,
                         std::map<std::string, std::string>& meta);
+  // Further formats `kvbound export --format` writes for this method (e.g. trimkv: the official release's folder).
+  std::vector<ExportFormat> export_formats;
 };
 
 const std::vector<const MethodRegistration*>& method_registry();
 std::vector<std::string> method_names();
-// The registration named `name`; kvbound::Error naming `key` and the known methods otherwise.
-const MethodRegistration& find_method(const std::string& name, const std::string& key = "train.method");
+// The registration named `name`; otherwise kvbound::Error "WHERE: unknown method ... (known: ...)".
+const MethodRegistration& find_method(const std::string& name, const std::string& where = "config: train.method");
 // The registration whose eval policy (under `config`) is `policy`, or null (a heuristic).
 const MethodRegistration* method_serving(const std::string& policy, const Config& config);
 
 void declare_method_train_keys(ConfigSchema& schema);
 void declare_method_eval_keys(ConfigSchema& schema);
+
+// What every method records about its backbone in checkpoints and exports: "backbone" (the model's name) and
+// "backbone_hash" (its weights' content hash) — an identity that holds on another machine — the path it was
+// loaded from ("backbone_source"), architecture and sizes, and "backbone_config", its Hugging Face
+// config.json (what the official TRIM-KV classes are built from).
+std::map<std::string, std::string> backbone_metadata(const Backbone& model);
 
 // Reads the weights file that config key `key` names and hands it to `load`, putting the key in front of any
 // error ("KEY: FILE: TENSOR: ..."). Returns the file's metadata.

@@ -6,6 +6,7 @@
 #include "base/errors.h"
 #include "losses/distillation.h"
 #include "train/method_registry.h"
+#include "train/trimkv_official_export.h"
 
 namespace kvbound {
 namespace {
@@ -51,17 +52,13 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
 }
 
 std::map<std::string, std::string> TrimKVMethod::metadata() const {
-  const ModelConfig& c = model_.config();
-  return {{"method", "trimkv"},
-          {"backbone", model_.source()},
-          {"architecture", c.architecture},
-          {"num_layers", std::to_string(c.num_layers)},
-          {"hidden_size", std::to_string(c.hidden_size)},
-          {"num_kv_heads", std::to_string(c.num_kv_heads)},
-          {"retention_gate_intermediate_size", std::to_string(gates_->hidden())},
-          {"retention_gate_bias_init", std::to_string(settings_.gate.bias_init)},
-          {"hidden_act", c.hidden_act},
-          {"budget", std::to_string(settings_.budget)}};
+  std::map<std::string, std::string> m = backbone_metadata(model_);
+  m.insert({{"method", "trimkv"},
+            {"retention_gate_intermediate_size", std::to_string(gates_->hidden())},
+            {"retention_gate_bias_init", std::to_string(settings_.gate.bias_init)},
+            {"hidden_act", model_.config().hidden_act},
+            {"budget", std::to_string(settings_.budget)}});
+  return m;
 }
 
 namespace methods {
@@ -117,7 +114,9 @@ extern const MethodRegistration trimkv{
     load_gates,
     [](const Config& c, const Backbone& model, TrainedModules& modules, std::map<std::string, std::string>& meta) {
       load_weights_key(c, "trimkv.gates", model, modules, meta, load_gates);
-    }};
+    },
+    {{"trimkv", "a folder the official TRIM-KV release loads (trimkv_weights.pth + config.json)",
+      write_trimkv_official_folder}}};
 
 }  // namespace methods
 }  // namespace kvbound

@@ -1,8 +1,27 @@
 // trimkv (Bui et al., 2025, "Cache What Lasts: Token Retention for Memory-Bounded KV Cache in LLMs"): each
 // token gets a retention score log β_i per KV head from the layer's trained gate when it is written; at
-// step t its keep-score is (t − pos_i)·log β_i = log β_i^(t−pos_i), its exponentially decayed importance.
-// No attention is needed, and the newest tokens score 0 (the maximum), so they are always kept.
-#include <ATen/ops/sub.h>
+// step t its keep-score is (t + o − pos_i)·log β_i = log β_i^(t+o−pos_i), its exponentially decayed importance.
+// No attention is needed, and the newest tokens score highest, so they are kept.
+//
+// Options, each matching a rule of the official TrimKVCache (trimkv 0.1.5, cache_utils.py) so that gates
+// trained here evict the same tokens there:
+// - trimkv.score_offset o: kvbound's 0 scores the age since the newest token; the official cache scores
+//   (seen_tokens + 1 − pos) = (t + 2 − pos), o = 2.
+// - trimkv.cut: `exceeds` cuts a layer holding more than M + buffer entries (kvbound); `reaches` cuts it
+//   at M + buffer or more (the official cache with buffer_size = buffer).
+// - trimkv.lookahead n > 1: the expected retention over the next n steps instead of the current weight,
+//   Σ_{k=1..n} β^(a+k) = β^(a+1)·(1 − β^n)/(1 − β) with a = t + o − pos, in logs as the official
+//   compute_log_G does it (positive round-off of n·log β and log β clamped to −1e-9).
+// - trimkv.sliding_window w: the w newest cached entries are always kept.
+#include <ATen/ops/exp.h>
+#include <ATen/ops/expm1.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/log1p.h>
+#include <ATen/ops/where.h>
+
+#include <cmath>
+#include <limits>
 
 #include "base/errors.h"
 #include "modules/policies/registry.h"
@@ -12,9 +31,39 @@
 namespace kvbound::policies {
 namespace {
 
+struct TrimKVOptions {
+  std::int64_t score_offset = 0;
+  bool cut_when_reached = false;
+  std::int64_t lookahead = 1;
+  std::int64_t sliding_window = 0;
+};
+
+TrimKVOptions trimkv_options(const Config& c) {
+  TrimKVOptions o;
+  o.score_offset = c.get_int("trimkv.score_offset");
+  const std::string cut = c.get_string("trimkv.cut");
+  if (cut != "exceeds" && cut != "reaches") fail("config", "trimkv.cut", "'" + cut + "' (exceeds, reaches)");
+  o.cut_when_reached = cut == "reaches";
+  o.lookahead = c.get_int("trimkv.lookahead");
+  if (o.lookahead < 1) fail("config", "trimkv.lookahead", "must be >= 1");
+  o.sliding_window = c.get_int("trimkv.sliding_window");
+  if (o.sliding_window < 0) fail("config", "trimkv.sliding_window", "must be >= 0");
+  return o;
+}
+
+// log(1 − e^x) for x <= 0, accurate on both sides of log(1/2) (the official _log1mexp).
+at::Tensor log1mexp(const at::Tensor& x) {
+  return at::where(x < std::log(0.5), at::log1p(-at::exp(x)), at::log(-at::expm1(x)));
+}
+
 class TrimKV final : public EvictionPolicy {
  public:
-  explicit TrimKV(std::shared_ptr<const RetentionGates> gates) : gates_(std::move(gates)) {}
+  TrimKV(std::shared_ptr<const RetentionGates> gates, const TrimKVOptions& options)
+      : gates_(std::move(gates)), options_(options) {}
+
+  std::int64_t tolerated_entries(std::int64_t budget, std::int64_t buffer) const override {
+    return options_.cut_when_reached ? budget + buffer - 1 : budget + buffer;
+  }
 
   void observe(const PolicyView& v) override {
     const std::int64_t n = v.cache->size(v.layer), t = v.call->positions.size(0);
@@ -24,25 +73,51 @@ class TrimKV final : public EvictionPolicy {
   }
 
   at::Tensor score(const PolicyView& v) override {
-    const auto newest = static_cast<double>(v.call->start + v.call->q.size(2) - 1);
-    return (newest - v.cache->positions(v.layer).to(at::kFloat)) * log_beta_.get(v.layer);
+    const auto now = static_cast<double>(v.call->start + v.call->q.size(2) - 1 + options_.score_offset);
+    const at::Tensor age = now - v.cache->positions(v.layer).to(at::kFloat);
+    const at::Tensor& log_beta = log_beta_.get(v.layer);
+    at::Tensor score = options_.lookahead == 1 ? age * log_beta : lookahead_score(age, log_beta);
+    if (options_.sliding_window > 0) {
+      const std::int64_t w = std::min(options_.sliding_window, score.size(-1));
+      score.narrow(-1, score.size(-1) - w, w).fill_(std::numeric_limits<float>::infinity());
+    }
+    return score;
   }
 
   void retained(std::int64_t layer, const at::Tensor& index) override { log_beta_.gather(layer, index); }
 
  private:
+  at::Tensor lookahead_score(const at::Tensor& age, const at::Tensor& log_beta) const {
+    const at::Tensor eps = at::full_like(log_beta, -1e-9);
+    const at::Tensor steps = log_beta * static_cast<double>(options_.lookahead);
+    return (age + 1) * log_beta + log1mexp(at::where(steps > 0, eps, steps)) -
+           log1mexp(at::where(log_beta > 0, eps, log_beta));
+  }
+
   std::shared_ptr<const RetentionGates> gates_;
+  TrimKVOptions options_;
   PerEntryState log_beta_;
 };
 
 }  // namespace
 
 extern const PolicyRegistration trimkv{
-    "trimkv", "the tokens with the highest decayed retention (t - pos)·log β from trained gates", [](ConfigSchema&) {},
-    [](const Config&, const TrainedModules& modules) -> PolicyMaker {
+    "trimkv", "the tokens with the highest decayed retention (t + offset - pos)·log β from trained gates",
+    [](ConfigSchema& s) {
+      s.add("trimkv.score_offset", ConfigType::Int, "0",
+            "trimkv policy: score (t + offset - pos)·log β (0: kvbound, measured better; 2: the official cache)")
+          .add("trimkv.cut", ConfigType::String, "exceeds",
+               "trimkv policy: cut a layer holding more than M + eval.buffer entries (exceeds) or that many (reaches: "
+               "the official cache)")
+          .add("trimkv.lookahead", ConfigType::Int, "1",
+               "trimkv policy: score by the retention expected over the next n steps (1: the current one)")
+          .add("trimkv.sliding_window", ConfigType::Int, "0", "trimkv policy: the newest w cached tokens are always kept");
+    },
+    [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
+      const TrimKVOptions options = trimkv_options(c);
       std::shared_ptr<const RetentionGates> gates = modules.find<RetentionGates>();
       if (!gates) fail("config", "trimkv.gates", "policy trimkv needs a gates file (kvbound export RUN_DIR --out FILE)");
-      return [gates](std::uint64_t) { return std::make_unique<TrimKV>(gates); };
+      return [gates, options](std::uint64_t) { return std::make_unique<TrimKV>(gates, options); };
     }};
 
 }  // namespace kvbound::policies
