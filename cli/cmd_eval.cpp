@@ -19,36 +19,12 @@
 #include "modules/policies/registry.h"
 #include "cli/commands.h"
 #include "base/config.h"
+#include "cli/command_schemas.h"
 #include "cli/model_setup.h"
 #include "train/method_registry.h"
 
 namespace kvbound {
 namespace {
-
-ConfigSchema eval_schema() {
-  ConfigSchema s;
-  add_model_keys(s);
-  s.add_required("eval.text", ConfigType::String, "held-out plain text file (windows and retrieval filler)")
-      .add("eval.policies", ConfigType::StringList,
-           "[full, random, streaming_llm, h2o, snapkv, tova, knorm, keydiff]",
-           "eviction policies to compare (any registered policy, or POLICY+mem)")
-      .add("eval.budgets", ConfigType::IntList, "[64, 128, 256]", "KV budgets M (entries per layer and KV head)")
-      .add("eval.tasks", ConfigType::StringList, "[continuation, retrieval]", "continuation and/or retrieval")
-      .add("eval.context_len", ConfigType::Int, "512", "continuation window length in tokens (BOS included)")
-      .add("eval.prefill_len", ConfigType::Int, "384", "tokens prefilled in chunks before teacher-forced decode")
-      .add("eval.score_from", ConfigType::Int, "384", "first scored position (>= prefill_len)")
-      .add("eval.chunk_size", ConfigType::Int, "64", "prefill chunk size C (peak KV = M + buffer + C)")
-      .add("eval.buffer", ConfigType::Int, "0", "extra entries tolerated before the cache is cut back to M")
-      .add("eval.num_windows", ConfigType::Int, "8", "continuation windows (random paragraph starts)")
-      .add("eval.seed", ConfigType::Int, "0", "seed for windows, retrieval cases and random policies")
-      .add("eval.out_dir", ConfigType::String, "runs/eval", "output folder")
-      .add("eval.retrieval.context_len", ConfigType::Int, "512", "passkey prompt length in tokens")
-      .add("eval.retrieval.depths", ConfigType::FloatList, "[0.1, 0.5, 0.9]", "needle depths (fraction of filler)")
-      .add("eval.retrieval.samples", ConfigType::Int, "4", "passkey cases per depth");
-  declare_policy_keys(s);
-  declare_method_eval_keys(s);  // the files that hold the learned policies' weights
-  return s;
-}
 
 SweepSettings sweep_settings(const Config& c) {
   SweepSettings s;

@@ -18,6 +18,7 @@
 #include "modules/backbone.h"
 #include "cli/commands.h"
 #include "base/config.h"
+#include "cli/command_schemas.h"
 #include "cli/model_setup.h"
 #include "modules/policies/registry.h"
 #include "train/method_registry.h"
@@ -27,46 +28,6 @@
 
 namespace kvbound {
 namespace {
-
-std::string method_list() {
-  std::string out;
-  for (const MethodRegistration* m : method_registry()) out += (out.empty() ? "" : " | ") + std::string(m->name);
-  return out;
-}
-
-ConfigSchema train_schema() {
-  ConfigSchema s;
-  add_model_keys(s);
-  s.add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
-      .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
-      .add("train.method", ConfigType::String, "trimkv", "what to train: " + method_list())
-      .add("train.init_from", ConfigType::String, "\"\"",
-           "a later stage's start: the earlier stage's run folder (its best.safetensors, else latest checkpoint) or export")
-      .add("train.steps", ConfigType::Int, "200", "optimizer updates")
-      .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
-      .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")
-      .add("train.grad_accum", ConfigType::Int, "1", "micro-batches per update")
-      .add("train.lr", ConfigType::Float, "2e-3", "peak learning rate (2e-3 tiny models, 2e-4 billion-scale)")
-      .add("train.min_lr", ConfigType::Float, "0.0", "learning rate at the end of the cosine decay")
-      .add("train.warmup", ConfigType::Int, "20", "linear warm-up updates")
-      .add("train.weight_decay", ConfigType::Float, "0.01", "AdamW weight decay (matrices only)")
-      .add("train.grad_clip", ConfigType::Float, "1.0", "max global gradient norm (<= 0: off)")
-      .add("train.seed", ConfigType::Int, "0", "seed for initialisation and data order")
-      .add("train.loss_block_rows", ConfigType::Int, "128", "positions whose vocabulary logits exist at once")
-      .add("train.log_every", ConfigType::Int, "1", "updates between metrics.jsonl lines")
-      .add("train.checkpoint_every", ConfigType::Int, "50", "updates between checkpoints (0: only at the end)")
-      .add("train.keep_checkpoints", ConfigType::Int, "3", "checkpoint files kept")
-      .add("train.eval_every", ConfigType::Int, "50", "updates between budgeted evals (0: only at the end)")
-      .add("train.eval_budget", ConfigType::Int, "128", "deployment budget M of the periodic eval")
-      .add("train.eval_windows", ConfigType::Int, "4", "held-out windows per eval")
-      .add("train.eval_context_len", ConfigType::Int, "256", "eval window length (BOS included)")
-      .add("train.eval_prefill_len", ConfigType::Int, "128", "eval prefill (then teacher-forced decode, scored)")
-      .add("train.eval_chunk_size", ConfigType::Int, "32", "eval prefill chunk size")
-      .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder");
-  declare_method_train_keys(s);
-  declare_policy_keys(s);  // the policy that evaluates the method, and the one a memory is trained under
-  return s;
-}
 
 // The method train.method names, built by its registration; train.init_from must be consumed by it.
 std::unique_ptr<TrainingMethod> make_method(const Config& c, const Backbone& model) {

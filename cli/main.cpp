@@ -27,6 +27,7 @@ const std::vector<Subcommand>& subcommands() {
       {"train", "train a learned method (TRIM-KV gates, IndexMem indexer, latent memory, joint) on the frozen backbone", cmd_train},
       {"export", "write a run's trained weights (gates, indexer, memory) as one safetensors file", cmd_export},
       {"eval", "compare KV eviction policies under budgets (YAML config)", cmd_eval},
+      {"sweep", "train, export and evaluate a grid of configs, then summarise (YAML)", cmd_sweep},
   };
   return all;
 }

@@ -63,7 +63,7 @@ SeriesStyle style_for_index(std::size_t index) {
 
 struct MetricPlot {
   const char* metric;
-  const char* title;
+  const char* quantity;  // the plot's title is "<quantity> vs <the x axis>"
   const char* y_label;
   double upper_bound;  // fractions never exceed 1, so the padded axis stops there
 };
@@ -71,23 +71,31 @@ struct MetricPlot {
 const std::vector<MetricPlot>& metric_plots() {
   constexpr double kNoBound = std::numeric_limits<double>::infinity();
   static const std::vector<MetricPlot> plots = {
-      {metric::kKlToFull, "KL divergence to the full cache vs KV budget",
+      {metric::kKlToFull, "KL divergence to the full cache",
        "KL(p_full \u2016 p_budgeted), nats/token  (lower is better)", kNoBound},
-      {metric::kTop1Agree, "Top-1 agreement with the full cache vs KV budget",
+      {metric::kTop1Agree, "Top-1 agreement with the full cache",
        "top-1 agreement with full cache  (higher is better)", 1.0},
-      {metric::kNll, "Next-token NLL vs KV budget", "NLL, nats/token  (lower is better)", kNoBound},
-      {metric::kRetrievalAcc, "Retrieval accuracy vs KV budget", "retrieval accuracy  (higher is better)", 1.0},
+      {metric::kNll, "Next-token NLL", "NLL, nats/token  (lower is better)", kNoBound},
+      {metric::kRetrievalAcc, "Retrieval accuracy", "retrieval accuracy  (higher is better)", 1.0},
   };
   return plots;
 }
 
-// What one policy contributes to one plot.
+// What one policy (or one sweep series) contributes to one plot.
 struct Series {
   std::string policy;
   SeriesStyle style;
-  std::vector<std::pair<std::int64_t, double>> points;  // (budget, value), budgets ascending
+  std::vector<std::pair<double, double>> points;  // (x position, value), x ascending
   double reference = std::numeric_limits<double>::quiet_NaN();  // the unbounded row's value, if any
   bool has_reference() const { return std::isfinite(reference); }
+};
+
+// The x axis: a tick and label at each position (budgets on a log2 scale, or a swept key's values in order).
+struct XAxis {
+  std::vector<double> ticks;
+  std::vector<std::string> labels;
+  std::string title;    // under the axis
+  std::string against;  // in the plot title: "<quantity> vs <against>"
 };
 
 struct ValueAxis {
@@ -240,8 +248,8 @@ cairo_status_t append_png_bytes(void* closure, const unsigned char* data, unsign
 }
 
 // Renders one metric's plot and returns the PNG bytes.
-std::string render_plot(const MetricPlot& spec, const std::vector<Series>& series, const std::string& subtitle,
-                        const std::string& path) {
+std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::vector<Series>& series,
+                        const std::string& subtitle, const std::string& path) {
   CairoSurface surface(cairo_image_surface_create(CAIRO_FORMAT_ARGB32, kWidth, kHeight), cairo_surface_destroy);
   CairoContext context(cairo_create(surface.get()), cairo_destroy);
   Canvas canvas(context.get());
@@ -256,20 +264,14 @@ std::string render_plot(const MetricPlot& spec, const std::vector<Series>& serie
   canvas.colour({1.0, 1.0, 1.0});
   cairo_paint(cr);
 
-  std::set<std::int64_t> budget_set;
   std::vector<double> values;
   for (const Series& s : series) {
-    for (const auto& [budget, value] : s.points) {
-      budget_set.insert(budget);
-      values.push_back(value);
-    }
+    for (const auto& [x, value] : s.points) values.push_back(value);
     if (s.has_reference()) values.push_back(s.reference);
   }
-  const std::vector<std::int64_t> budgets(budget_set.begin(), budget_set.end());
   const ValueAxis y_axis = nice_y_axis(values, spec.upper_bound);
-  const double log_lo = std::log2(static_cast<double>(budgets.front()));
-  const double log_hi = std::log2(static_cast<double>(budgets.back()));
-  const double x_pad = budgets.size() == 1 ? 1.0 : std::max(0.25, 0.06 * (log_hi - log_lo));
+  const double x_lo = x_axis.ticks.front(), x_hi = x_axis.ticks.back();
+  const double x_pad = x_axis.ticks.size() == 1 ? 1.0 : std::max(0.25, 0.06 * (x_hi - x_lo));
 
   std::vector<double> y_ticks;
   const int tick_count = static_cast<int>(std::llround((y_axis.tick_hi - y_axis.tick_lo) / y_axis.step)) + 1;
@@ -299,8 +301,8 @@ std::string render_plot(const MetricPlot& spec, const std::vector<Series>& serie
   const double plot_right = std::round(kWidth - 16.0 - legend_width - 18.0);
   const double plot_top = subtitle.empty() ? 54.0 : 72.0;
   const double plot_bottom = kHeight - 62.0;
-  auto x_of = [&](std::int64_t budget) {
-    const double t = (std::log2(static_cast<double>(budget)) - (log_lo - x_pad)) / ((log_hi + x_pad) - (log_lo - x_pad));
+  auto x_of = [&](double position) {
+    const double t = (position - (x_lo - x_pad)) / ((x_hi + x_pad) - (x_lo - x_pad));
     return plot_left + t * (plot_right - plot_left);
   };
   auto y_of = [&](double value) {
@@ -311,7 +313,7 @@ std::string render_plot(const MetricPlot& spec, const std::vector<Series>& serie
   const double centre = (plot_left + plot_right) / 2.0;
   canvas.colour(kTextColour);
   canvas.font(17.0, true);
-  const std::string title = fit_text(canvas, spec.title, kWidth - 32.0);
+  const std::string title = fit_text(canvas, std::string(spec.quantity) + " vs " + x_axis.against, kWidth - 32.0);
   const double title_half_width = canvas.text_width(title) / 2.0;
   canvas.text(title, std::clamp(centre, 16.0 + title_half_width, kWidth - 16.0 - title_half_width), 24.0, 0.5);
   if (!subtitle.empty()) {
@@ -333,15 +335,15 @@ std::string render_plot(const MetricPlot& spec, const std::vector<Series>& serie
     canvas.text(tick_label(tick, y_axis.decimals), plot_left - 8.0, y, 1.0);
   }
   double last_label_right = -std::numeric_limits<double>::infinity();
-  for (const std::int64_t budget : budgets) {
-    const double x = x_of(budget);
+  for (std::size_t i = 0; i < x_axis.ticks.size(); ++i) {
+    const double x = x_of(x_axis.ticks[i]);
     canvas.colour(kGridColour);
     canvas.line(x, plot_top, x, plot_bottom, 1.0);
     canvas.colour(kAxisColour);
     canvas.line(x, plot_bottom, x, plot_bottom + 5.0, 1.0);
-    // Budgets close together on the log axis would print on top of each other: skip a label that
-    // would touch the previous one (its tick and grid line stay).
-    const std::string label = std::to_string(budget);
+    // Ticks close together (budgets on the log axis) would print on top of each other: skip a label
+    // that would touch the previous one (its tick and grid line stay).
+    const std::string label = fit_text(canvas, x_axis.labels[i], plot_right - plot_left);
     const double half_width = canvas.text_width(label) / 2.0;
     if (x - half_width < last_label_right + 6.0) continue;
     canvas.colour(kTextColour);
@@ -352,7 +354,7 @@ std::string render_plot(const MetricPlot& spec, const std::vector<Series>& serie
   // Axis labels.
   canvas.colour(kTextColour);
   canvas.font(13.0);
-  canvas.text("KV budget M (tokens per layer and KV head, log\u2082 scale)", centre, plot_bottom + 40.0, 0.5);
+  canvas.text(fit_text(canvas, x_axis.title, plot_right - plot_left), centre, plot_bottom + 40.0, 0.5);
   canvas.vertical_text(fit_text(canvas, spec.y_label, plot_bottom - plot_top), 22.0, (plot_top + plot_bottom) / 2.0);
 
   // Plot frame.
@@ -371,7 +373,7 @@ std::string render_plot(const MetricPlot& spec, const std::vector<Series>& serie
   for (const Series& s : series) {
     if (s.points.empty()) continue;
     std::vector<std::pair<double, double>> xy;
-    for (const auto& [budget, value] : s.points) xy.emplace_back(x_of(budget), y_of(value));
+    for (const auto& [x, value] : s.points) xy.emplace_back(x_of(x), y_of(value));
     canvas.colour(s.style.colour);
     canvas.dash(s.style.dash);
     canvas.polyline(xy, 2.2);
@@ -433,6 +435,7 @@ std::vector<std::string> write_quality_plots(const EvalResults& results, const s
   std::vector<std::string> written;
   for (const MetricPlot& spec : metric_plots()) {
     std::vector<Series> series;
+    std::set<std::int64_t> budgets;
     bool any_bounded = false;
     for (const std::string& policy : policies) {
       Series s{policy, styles.at(policy), {}};
@@ -443,7 +446,8 @@ std::vector<std::string> write_quality_plots(const EvalResults& results, const s
         if (row.budget == 0) {
           s.reference = value->second;
         } else {
-          s.points.emplace_back(row.budget, value->second);
+          s.points.emplace_back(std::log2(static_cast<double>(row.budget)), value->second);
+          budgets.insert(row.budget);
         }
       }
       if (s.points.empty() && !s.has_reference()) continue;
@@ -459,10 +463,34 @@ std::vector<std::string> write_quality_plots(const EvalResults& results, const s
     if (results.meta.is_object() && results.meta.contains("model") && results.meta["model"].is_string()) {
       subtitle = results.meta["model"].get<std::string>();
     }
-    write_file_atomic(path, render_plot(spec, series, subtitle, path));
+    XAxis x_axis{{}, {}, "KV budget M (tokens per layer and KV head, log\u2082 scale)", "KV budget"};
+    for (const std::int64_t budget : budgets) {
+      x_axis.ticks.push_back(std::log2(static_cast<double>(budget)));
+      x_axis.labels.push_back(std::to_string(budget));
+    }
+    write_file_atomic(path, render_plot(spec, x_axis, series, subtitle, path));
     written.push_back(path);
   }
   return written;
+}
+
+void write_sweep_plot(const std::string& path, const std::string& metric_name, const std::string& key,
+                      const std::vector<std::string>& key_values, const std::vector<SweepSeries>& series,
+                      const std::string& subtitle) {
+  const auto spec = std::find_if(metric_plots().begin(), metric_plots().end(),
+                                 [&](const MetricPlot& m) { return metric_name == m.metric; });
+  if (spec == metric_plots().end()) fail(path, metric_name, "not a plotted quality metric");
+  XAxis x_axis{{}, key_values, key + " (the swept values, in sweep order)", key};
+  for (std::size_t i = 0; i < key_values.size(); ++i) x_axis.ticks.push_back(static_cast<double>(i));
+  std::vector<Series> lines;
+  for (std::size_t i = 0; i < series.size(); ++i) {
+    Series s{series[i].name, style_for_index(i), {}};
+    for (std::size_t x = 0; x < series[i].values.size() && x < key_values.size(); ++x)
+      if (std::isfinite(series[i].values[x])) s.points.emplace_back(static_cast<double>(x), series[i].values[x]);
+    if (!s.points.empty()) lines.push_back(std::move(s));
+  }
+  if (lines.empty() || key_values.empty()) fail(path, metric_name, "no finite value to plot");
+  write_file_atomic(path, render_plot(*spec, x_axis, lines, subtitle, path));
 }
 
 }  // namespace kvbound

@@ -1,4 +1,5 @@
-// Quality-vs-budget plots of evaluation results, rendered with cairo into 900x600 PNGs.
+// Quality-vs-budget plots of evaluation results, and quality-vs-swept-key plots of a sweep, rendered with
+// cairo into 900x600 PNGs.
 #pragma once
 #include <string>
 #include <vector>
@@ -15,5 +16,18 @@ namespace kvbound {
 // and dash in every plot. Non-finite values are left out of the lines. Each file is written atomically.
 // Returns the paths written, in the metric order above. Throws kvbound::Error naming the file on failure.
 std::vector<std::string> write_quality_plots(const EvalResults& results, const std::string& out_dir);
+
+// One line of a sweep plot: its values at each of the swept key's values (NaN: no point there).
+struct SweepSeries {
+  std::string name;
+  std::vector<double> values;
+};
+
+// A quality metric (kl_to_full, top1_agree, nll, retrieval_acc) against a swept config key (`kvbound
+// sweep`): x = the key's values in sweep order, one line per series, in the style of the budget plots.
+// Written atomically to `path`; kvbound::Error naming the file for an unknown metric or nothing to plot.
+void write_sweep_plot(const std::string& path, const std::string& metric, const std::string& key,
+                      const std::vector<std::string>& key_values, const std::vector<SweepSeries>& series,
+                      const std::string& subtitle);
 
 }  // namespace kvbound

@@ -1,0 +1,194 @@
+#include "eval/sweep_summary.h"
+
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <set>
+#include <sstream>
+
+#include "base/errors.h"
+#include "eval/plots.h"
+
+namespace kvbound {
+namespace {
+
+const std::vector<std::string>& quality_metrics() {
+  static const std::vector<std::string> all = {metric::kKlToFull, metric::kTop1Agree, metric::kNll, metric::kRetrievalAcc};
+  return all;
+}
+
+bool higher_is_better(const std::string& name) { return name == metric::kTop1Agree || name == metric::kRetrievalAcc; }
+
+std::pair<double, double> mean_std(const std::vector<double>& values) {
+  double mean = 0;
+  for (double v : values) mean += v;
+  mean /= static_cast<double>(values.size());
+  double var = 0;
+  for (double v : values) var += (v - mean) * (v - mean);
+  const double std = values.size() > 1 ? std::sqrt(var / static_cast<double>(values.size() - 1)) : 0.0;
+  return {mean, std};
+}
+
+std::string number(double v, int digits) {
+  if (!std::isfinite(v)) return "n/a";
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(digits) << v;
+  return out.str();
+}
+
+int digits_of(const std::string& name) { return name == metric::kKlToFull ? 4 : name == metric::kNll ? 4 : 3; }
+
+// The metrics some row carries, in quality_metrics() order.
+std::vector<std::string> present_metrics(const SweepSummary& s) {
+  std::vector<std::string> out;
+  for (const std::string& m : quality_metrics())
+    for (const SweepSummaryRow& r : s.rows)
+      if (r.metrics.count(m)) {
+        out.push_back(m);
+        break;
+      }
+  return out;
+}
+
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return quoted + "\"";
+}
+
+}  // namespace
+
+SweepSummary summarize_sweep(std::vector<std::string> keys, std::vector<SweepPoint> points,
+                             const std::vector<SweepRun>& runs, const std::string& metric_name) {
+  const auto& known = quality_metrics();
+  if (std::find(known.begin(), known.end(), metric_name) == known.end())
+    fail("sweep", "metric", "'" + metric_name + "' (kl_to_full, top1_agree, nll, retrieval_acc)");
+  SweepSummary s{std::move(keys), std::move(points), metric_name, {}};
+  // (point, policy, budget) -> metric -> values over seeds, in first-seen order.
+  std::vector<std::tuple<std::size_t, std::string, std::int64_t>> order;
+  std::map<std::tuple<std::size_t, std::string, std::int64_t>, std::pair<std::int64_t, std::map<std::string, std::vector<double>>>> values;
+  for (const SweepRun& run : runs) {
+    for (const ResultRow& row : run.results.rows) {
+      const auto key = std::make_tuple(run.point, row.policy, row.budget);
+      if (!values.count(key)) order.push_back(key);
+      auto& entry = values[key];
+      ++entry.first;
+      for (const std::string& m : known) {
+        const auto it = row.metrics.find(m);
+        if (it != row.metrics.end()) entry.second[m].push_back(it->second);
+      }
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
+  for (const auto& key : order) {
+    SweepSummaryRow row{std::get<0>(key), std::get<1>(key), std::get<2>(key), values[key].first, {}, false};
+    for (const auto& [m, vs] : values[key].second) row.metrics[m] = mean_std(vs);
+    s.rows.push_back(std::move(row));
+  }
+  std::map<std::int64_t, std::size_t> best;
+  for (std::size_t i = 0; i < s.rows.size(); ++i) {
+    const SweepSummaryRow& r = s.rows[i];
+    const auto it = r.metrics.find(metric_name);
+    if (r.budget == 0 || it == r.metrics.end() || !std::isfinite(it->second.first)) continue;
+    const auto current = best.find(r.budget);
+    if (current == best.end()) {
+      best[r.budget] = i;
+      continue;
+    }
+    const double held = s.rows[current->second].metrics.at(metric_name).first, now = it->second.first;
+    if (higher_is_better(metric_name) ? now > held : now < held) current->second = i;
+  }
+  for (const auto& [budget, i] : best) s.rows[i].best = true;
+  return s;
+}
+
+std::string sweep_markdown(const SweepSummary& s) {
+  const std::vector<std::string> metrics = present_metrics(s);
+  std::ostringstream out;
+  out << "| ";
+  for (const std::string& k : s.keys) out << k << " | ";
+  out << "policy | M | seeds |";
+  for (const std::string& m : metrics) out << " " << m << " |";
+  out << " best " << s.metric << " at M |\n|";
+  for (std::size_t i = 0; i < s.keys.size() + 3 + metrics.size(); ++i) out << (i < s.keys.size() + 1 ? ":---|" : "---:|");
+  out << ":---:|\n";
+  for (const SweepSummaryRow& r : s.rows) {
+    out << "| ";
+    for (const auto& [k, v] : s.points.at(r.point).values) out << v << " | ";
+    out << r.policy << " | " << (r.budget == 0 ? std::string("full") : std::to_string(r.budget)) << " | " << r.seeds << " |";
+    for (const std::string& m : metrics) {
+      const auto it = r.metrics.find(m);
+      if (it == r.metrics.end()) {
+        out << " |";
+        continue;
+      }
+      const std::string cell = number(it->second.first, digits_of(m)) + " ± " + number(it->second.second, digits_of(m));
+      out << " " << (r.best && m == s.metric ? "**" + cell + "**" : cell) << " |";
+    }
+    out << (r.best ? " ✔ |" : " |") << "\n";
+  }
+  return out.str();
+}
+
+std::string sweep_csv(const SweepSummary& s) {
+  const std::vector<std::string> metrics = present_metrics(s);
+  std::ostringstream out;
+  for (const std::string& k : s.keys) out << csv_field(k) << ",";
+  out << "policy,budget,seeds";
+  for (const std::string& m : metrics) out << "," << m << "_mean," << m << "_std";
+  out << ",best\n";
+  out << std::setprecision(10);
+  for (const SweepSummaryRow& r : s.rows) {
+    for (const auto& [k, v] : s.points.at(r.point).values) out << csv_field(v) << ",";
+    out << csv_field(r.policy) << "," << r.budget << "," << r.seeds;
+    for (const std::string& m : metrics) {
+      const auto it = r.metrics.find(m);
+      if (it == r.metrics.end()) out << ",,";
+      else out << "," << it->second.first << "," << it->second.second;
+    }
+    out << "," << (r.best ? 1 : 0) << "\n";
+  }
+  return out.str();
+}
+
+std::vector<std::string> write_sweep_plots(const SweepSummary& s, const std::string& out_dir, const std::string& subtitle) {
+  std::vector<std::string> written;
+  std::set<std::int64_t> budgets;
+  for (const SweepSummaryRow& r : s.rows)
+    if (r.budget > 0 && r.metrics.count(s.metric)) budgets.insert(r.budget);
+  for (std::size_t k = 0; k < s.keys.size(); ++k) {
+    std::vector<std::string> key_values;  // in sweep order
+    for (const SweepPoint& p : s.points)
+      if (std::find(key_values.begin(), key_values.end(), p.values[k].second) == key_values.end())
+        key_values.push_back(p.values[k].second);
+    if (key_values.size() < 2) continue;
+    for (const std::int64_t budget : budgets) {
+      // One series per policy and combination of the other keys' values.
+      std::vector<SweepSeries> series;
+      std::map<std::string, std::size_t> index;
+      for (const SweepSummaryRow& r : s.rows) {
+        const auto it = r.metrics.find(s.metric);
+        if (r.budget != budget || it == r.metrics.end()) continue;
+        std::string name = r.policy;
+        for (std::size_t j = 0; j < s.keys.size(); ++j)
+          if (j != k) name += " " + s.keys[j] + "=" + s.points[r.point].values[j].second;
+        if (!index.count(name)) {
+          index[name] = series.size();
+          series.push_back({name, std::vector<double>(key_values.size(), std::nan(""))});
+        }
+        const auto x = std::find(key_values.begin(), key_values.end(), s.points[r.point].values[k].second) - key_values.begin();
+        series[index[name]].values[static_cast<std::size_t>(x)] = it->second.first;
+      }
+      if (series.empty()) continue;
+      const std::string path =
+          (std::filesystem::path(out_dir) / (s.metric + "_vs_" + s.keys[k] + "_M" + std::to_string(budget) + ".png")).string();
+      write_sweep_plot(path, s.metric, s.keys[k], key_values, series, subtitle + (subtitle.empty() ? "" : ", ") + "M = " +
+                                                                       std::to_string(budget) + ", mean over seeds");
+      written.push_back(path);
+    }
+  }
+  return written;
+}
+
+}  // namespace kvbound

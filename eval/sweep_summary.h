@@ -1,0 +1,57 @@
+// The summary of a sweep (`kvbound sweep`): every point's evaluation results, averaged over the seeds it ran
+// with, as one table (Markdown and CSV) with the best point per budget marked, and plots of a metric against
+// each swept key. Torch-free.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "eval/results.h"
+
+namespace kvbound {
+
+// One point of the grid: the swept keys' values there, in the sweep's key order.
+struct SweepPoint {
+  std::vector<std::pair<std::string, std::string>> values;
+};
+
+// The evaluation of one point with one seed.
+struct SweepRun {
+  std::size_t point = 0;
+  std::int64_t seed = 0;
+  EvalResults results;
+};
+
+struct SweepSummaryRow {
+  std::size_t point = 0;
+  std::string policy;
+  std::int64_t budget = 0;  // 0: unbounded (full)
+  std::int64_t seeds = 0;   // runs averaged
+  std::map<std::string, std::pair<double, double>> metrics;  // name -> (mean, sample std over seeds; 0 for one)
+  bool best = false;  // the best mean of the sweep's metric among all rows of this budget
+};
+
+struct SweepSummary {
+  std::vector<std::string> keys;  // the swept keys, in order
+  std::vector<SweepPoint> points;
+  std::string metric;             // what "best" means: kl_to_full, nll (lower) or top1_agree, retrieval_acc (higher)
+  std::vector<SweepSummaryRow> rows;  // point-major, then policy and budget as the runs listed them
+};
+
+// Averages the runs of each (point, policy, budget). kvbound::Error when `metric` is not a quality metric.
+SweepSummary summarize_sweep(std::vector<std::string> keys, std::vector<SweepPoint> points,
+                             const std::vector<SweepRun>& runs, const std::string& metric);
+
+// One row per (point, policy, budget): the swept values, policy, budget, seeds, then mean ± std of each quality
+// metric present; the best row per budget marked.
+std::string sweep_markdown(const SweepSummary& summary);
+// The same rows as CSV: the values, then <metric>_mean and <metric>_std columns, and best (0/1).
+std::string sweep_csv(const SweepSummary& summary);
+// For each swept key with two or more values and each budget: `out_dir/<metric>_vs_<key>_M<budget>.png`, one
+// line per policy and combination of the other keys' values. Returns the files written.
+std::vector<std::string> write_sweep_plots(const SweepSummary& summary, const std::string& out_dir,
+                                           const std::string& subtitle);
+
+}  // namespace kvbound

@@ -1,0 +1,127 @@
+// `kvbound sweep` end to end on stories260K (tiny runs, one thread each): a grid of 2 train points x 2 seeds x
+// 2 eval variants with --jobs 2 writes every run, the summary (mean ± std over seeds, the best row per budget)
+// and its plots; killed mid-way and re-run, it finishes only what was left; a failing point is reported
+// while the others complete.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "test_env.h"
+#include "tiny_cli_runs.h"
+
+namespace kvbound {
+namespace {
+
+namespace fs = std::filesystem;
+
+void write_sweep(const test::TempDir& dir, const std::string& budgets) {
+  const test::TinyCli cli = test::stories260k_cli();
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(cli, "  steps: 3\n", "trimkv:\n  gate_hidden: 16\n");
+  std::ofstream(dir / "eval.yaml") << "model:\n  path: " << cli.model << "\neval:\n  text: " << cli.valid
+                                   << "\n  budgets: [16]\n  tasks: [continuation]\n  context_len: 64\n  prefill_len: 32\n"
+                                      "  score_from: 32\n  num_windows: 1\n";
+  std::ofstream(dir / "sweep.yaml") << "train: " << (dir / "train.yaml") << "\neval: " << (dir / "eval.yaml")
+                                    << "\nout_dir: " << (dir / "out") << "\nseeds: [0, 1]\nset:\n  eval.policies: [trimkv, h2o]\n"
+                                       "grid:\n  trimkv.budget: " << budgets << "\neval_grid:\n  trimkv.score_offset: [0, 2]\n";
+}
+
+std::vector<std::string> csv_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+std::vector<fs::path> results_files(const fs::path& out) {
+  std::vector<fs::path> found;
+  if (!fs::exists(out)) return found;
+  for (const auto& e : fs::recursive_directory_iterator(out))
+    if (e.path().filename() == "results.json") found.push_back(e.path());
+  return found;
+}
+
+TEST(SweepCli, RunsEveryPointAndSummarisesOverSeeds) {
+  test::TempDir dir("sweep_all");
+  write_sweep(dir, "[4, 8]");
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("sweep " + (dir / "sweep.yaml") + " --jobs 2", &out, &err), 0) << err;
+  EXPECT_EQ(results_files(dir / "out").size(), 2u * 2u * 2u);  // points x seeds x eval variants
+  const std::vector<std::string> csv = csv_lines(dir / "out/summary.csv");
+  ASSERT_EQ(csv.size(), 1u + 2u * 2u * 2u);  // header + (point x variant x policy)
+  EXPECT_EQ(csv[0].rfind("trimkv.budget,trimkv.score_offset,policy,budget,seeds,kl_to_full_mean,kl_to_full_std", 0), 0u)
+      << csv[0];
+  int best = 0;
+  for (std::size_t i = 1; i < csv.size(); ++i) {
+    EXPECT_NE(csv[i].find(",16,2,"), std::string::npos) << csv[i];  // M = 16, two seeds averaged
+    best += csv[i].back() == '1';
+  }
+  EXPECT_EQ(best, 1);  // one best row for the one budget
+  EXPECT_NE(out.find("| trimkv.budget | trimkv.score_offset | policy |"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(dir / "out/plots/kl_to_full_vs_trimkv.budget_M16.png"));
+  EXPECT_TRUE(fs::exists(dir / "out/plots/kl_to_full_vs_trimkv.score_offset_M16.png"));
+}
+
+// Killed (SIGKILL to its whole process group) after its first results, the sweep re-run redoes nothing that
+// finished: the early results keep their modification time, and every run ends complete.
+TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
+  test::TempDir dir("sweep_kill");
+  write_sweep(dir, "[4, 8]");
+  const std::string command = "setsid " + test::kvbound_bin() + " sweep " + (dir / "sweep.yaml") + " --jobs 1 >" +
+                              (dir / "first.log") + " 2>&1 & echo $!";
+  FILE* p = ::popen(command.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  long pid = 0;
+  ASSERT_EQ(std::fscanf(p, "%ld", &pid), 1);
+  ::pclose(p);
+  std::vector<fs::path> early;
+  for (int i = 0; i < 600 && early.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    early = results_files(dir / "out");
+  }
+  ASSERT_FALSE(early.empty()) << "no result within a minute";
+  ::kill(-static_cast<pid_t>(pid), SIGKILL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::size_t done_before = results_files(dir / "out").size();
+  ASSERT_LT(done_before, 8u) << "the sweep finished before it could be killed";
+  const auto stamp = fs::last_write_time(early.front());
+
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("sweep " + (dir / "sweep.yaml") + " --jobs 2", &out, &err), 0) << err;
+  EXPECT_EQ(results_files(dir / "out").size(), 8u);
+  EXPECT_EQ(fs::last_write_time(early.front()), stamp) << early.front();
+  // The re-run ran fewer eval steps than the sweep has (the finished ones were skipped).
+  std::size_t evals = 0;
+  for (std::size_t at = err.find(": eval "); at != std::string::npos; at = err.find(": eval ", at + 1)) ++evals;
+  EXPECT_EQ(evals, 8u - done_before) << err;
+}
+
+TEST(SweepCli, AFailingPointIsReportedAndTheOthersComplete) {
+  test::TempDir dir("sweep_fail");
+  write_sweep(dir, "[0, 4]");  // trimkv.budget 0 is rejected by kvbound train
+  std::string out, err;
+  EXPECT_EQ(test::run_kvbound("sweep " + (dir / "sweep.yaml") + " --jobs 2", &out, &err), 1);
+  EXPECT_NE(err.find("trimkv.budget=0 seed 0: train FAILED: "), std::string::npos) << err;
+  EXPECT_NE(err.find("trimkv.budget: must be >= 1"), std::string::npos) << err;
+  EXPECT_NE(err.find("2 of 4 runs failed"), std::string::npos) << err;
+  EXPECT_EQ(results_files(dir / "out/trimkv.budget=4").size(), 4u);
+  EXPECT_TRUE(fs::exists(dir / "out/summary.md"));
+}
+
+TEST(SweepCli, AnUnknownKeyFailsBeforeAnythingRuns) {
+  test::TempDir dir("sweep_typo");
+  write_sweep(dir, "[4]");
+  std::ofstream(dir / "sweep.yaml", std::ios::app) << "  trimkv.budgt: [1]\n";  // under eval_grid
+  std::string out, err;
+  EXPECT_EQ(test::run_kvbound("sweep " + (dir / "sweep.yaml"), &out, &err), 1);
+  EXPECT_NE(err.find("trimkv.budgt: not an eval key (did you mean"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(dir / "out"));
+}
+
+}  // namespace
+}  // namespace kvbound
