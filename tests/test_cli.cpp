@@ -118,16 +118,26 @@ TEST(Cli, AnUnavailableDeviceIsOneLineNamingTheKey) {
 }
 
 // Every config the repository ships resolves against its command's schema (train for configs/trimkv and
-// configs/indexmem, eval for configs/eval): with the model pointed nowhere, the first error is the model's.
+// configs/indexmem, eval for configs/eval: with the model pointed nowhere, the first error is the model's;
+// configs/sweeps: a dry run resolves its keys and base configs).
 TEST(Cli, EveryShippedConfigResolves) {
   int seen = 0;
   for (const auto& entry : fs::recursive_directory_iterator(KVBOUND_CONFIGS)) {
     if (entry.path().extension() != ".yaml") continue;
-    const std::string command = entry.path().parent_path().filename() == "eval" ? "eval" : "train";
+    const std::string folder = entry.path().parent_path().filename().string();
+    ++seen;
+    if (folder == "sweeps") {  // a sweep resolves its base configs with its fixed keys before it runs anything
+      const fs::path here = fs::current_path();
+      fs::current_path(fs::path(KVBOUND_CONFIGS).parent_path());  // its paths are the repository's, like every config's
+      const CliRun r = run("sweep " + quote(entry.path().string()) + " --dry-run");
+      fs::current_path(here);
+      EXPECT_EQ(r.code, 0) << entry.path() << ": " << r.err;
+      continue;
+    }
+    const std::string command = folder == "eval" ? "eval" : "train";
     const CliRun r = run(command + " " + quote(entry.path().string()) + " --set model.path=/nonexistent/model");
     EXPECT_EQ(r.code, 1) << entry.path();
     EXPECT_NE(r.err.find("error: /nonexistent/model: "), std::string::npos) << entry.path() << ": " << r.err;
-    ++seen;
   }
   EXPECT_GE(seen, 10);
 }
