@@ -150,6 +150,8 @@ int cmd_train(int argc, char** argv) {
     config.write(run_dir + "/config.yaml");
   }
   MetricsLog metrics(run.metrics_path(), config.get_int("train.log_every"));
+  TensorBoardSink tensorboard((std::filesystem::path(run_dir) / "tensorboard").string());
+  if (config.get_bool("run.tensorboard")) metrics.add_sink(&tensorboard);
   ProgressLine progress;
   PeriodicEval eval(*model, periodic_eval(config, *model, *loaded.tokenizer), metrics, run);
   for (TrainerCallback* callback : std::initializer_list<TrainerCallback*>{&metrics, &progress, &eval})

@@ -60,6 +60,14 @@ class TrainingMethod {
   virtual std::map<std::string, std::string> metadata() const = 0;
   // The name of the per_layer statistic in metrics.jsonl.
   virtual std::string per_layer_name() const = 0;
+  // Per-layer values the trained modules compute on held-out windows ([T] token ids each), logged as
+  // histograms at every periodic eval (TRIM-KV: "log_beta", every token's log β per layer and KV head).
+  virtual std::map<std::string, std::vector<at::Tensor>> distributions(const Backbone& model,
+                                                                      const std::vector<at::Tensor>& windows) const {
+    (void)model;
+    (void)windows;
+    return {};
+  }
   // What the trainer's learning rate (schedule included) is multiplied by for the parameter `name`.
   virtual double lr_scale(const std::string& name) const {
     (void)name;

@@ -1,6 +1,7 @@
 #include "train/trimkv_method.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/exp.h>
 
 #include "base/errors.h"
@@ -49,6 +50,27 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
   for (const at::Tensor& lb : hook.log_betas())
     out.per_layer.push_back(((at::exp(lb.detach()) * w).sum() / (w.sum() * lb.size(1))).item<double>());
   return out;
+}
+
+std::map<std::string, std::vector<at::Tensor>> TrimKVMethod::distributions(const Backbone& model,
+                                                                           const std::vector<at::Tensor>& windows) const {
+  // Every layer's normalised input of a plain forward over each window, through the current gates.
+  struct NormedInputs : AttentionHook {
+    std::vector<at::Tensor> x;
+    void before_attention(AttentionCall& call, KVCache&) override { x.push_back(call.normed_input); }
+  };
+  const at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> per_layer(static_cast<std::size_t>(model.config().num_layers));
+  for (const at::Tensor& tokens : windows) {
+    NormedInputs hook;
+    KVCache cache = model.make_cache();
+    model.forward_hidden(tokens.view({1, -1}), cache, &hook);
+    for (std::size_t l = 0; l < per_layer.size(); ++l)
+      per_layer[l].push_back(gates_->log_beta(static_cast<std::int64_t>(l), hook.x[l]).flatten());
+  }
+  std::vector<at::Tensor> log_beta;
+  for (const auto& parts : per_layer) log_beta.push_back(at::cat(parts));
+  return {{"log_beta", log_beta}};
 }
 
 std::map<std::string, std::string> TrimKVMethod::metadata() const {

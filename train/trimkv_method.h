@@ -31,6 +31,8 @@ class TrimKVMethod final : public TrainingMethod {
   std::unique_ptr<EvictionPolicy> eval_policy() const override { return policy_.make(0); }
   std::map<std::string, std::string> metadata() const override;
   std::string per_layer_name() const override { return "retention"; }
+  std::map<std::string, std::vector<at::Tensor>> distributions(const Backbone& model,
+                                                              const std::vector<at::Tensor>& windows) const override;
 
  private:
   const Backbone& model_;
