@@ -11,5 +11,6 @@ int cmd_train(int argc, char** argv);
 int cmd_export(int argc, char** argv);
 int cmd_eval(int argc, char** argv);
 int cmd_sweep(int argc, char** argv);
+int cmd_inspect(int argc, char** argv);
 
 }  // namespace kvbound

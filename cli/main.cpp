@@ -28,6 +28,7 @@ const std::vector<Subcommand>& subcommands() {
       {"export", "write a run's trained weights (gates, indexer, memory) as one safetensors file", cmd_export},
       {"eval", "compare KV eviction policies under budgets (YAML config)", cmd_eval},
       {"sweep", "train, export and evaluate a grid of configs, then summarise (YAML)", cmd_sweep},
+      {"inspect", "show what a trained method's policy keeps on a text (heatmaps, cache over time, patterns)", cmd_inspect},
   };
   return all;
 }
