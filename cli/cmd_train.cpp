@@ -5,7 +5,16 @@
 // updates with a checkpoint (time-sliced jobs).
 #include <ATen/core/grad_mode.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <optional>
+#include <thread>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
@@ -23,6 +32,7 @@
 #include "modules/policies/registry.h"
 #include "train/method_registry.h"
 #include "train/callbacks.h"
+#include "train/data_parallel.h"
 #include "train/run_state.h"
 #include "train/trainer.h"
 
@@ -101,9 +111,67 @@ std::string check_same_run(const ConfigSchema& schema, const std::string& config
                                    "'); resume needs the same config");
 }
 
+// A free TCP port on this machine for the local ranks' rendezvous (released before they bind it).
+std::int64_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    fail("--nproc", "", "no free local port for the ranks' rendezvous");
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// `--nproc N`: this same command as N local processes under torchrun's environment contract, each with 1/N of
+// the cores unless model.threads fixes them. The first rank to fail stops the others; returns its exit code.
+int launch_local_ranks(const std::vector<std::string>& args, std::int64_t nproc, std::int64_t threads) {
+  const std::string port = std::to_string(free_port());
+  const auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::string> child_args = args;
+  if (threads == 0) child_args.insert(child_args.end(), {"--set", "model.threads=" + std::to_string(std::max<std::int64_t>(1, cores / nproc))});
+  std::cerr << "[train] " << nproc << " local processes (rendezvous 127.0.0.1:" << port << ")\n";
+  std::vector<pid_t> pids;
+  for (std::int64_t rank = 0; rank < nproc; ++rank) {
+    std::vector<std::string> argv_text{"kvbound", "train"};
+    argv_text.insert(argv_text.end(), child_args.begin(), child_args.end());
+    std::vector<char*> argv;
+    for (std::string& a : argv_text) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const std::string rank_text = std::to_string(rank), world_text = std::to_string(nproc);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setenv("RANK", rank_text.c_str(), 1);
+      ::setenv("LOCAL_RANK", rank_text.c_str(), 1);
+      ::setenv("WORLD_SIZE", world_text.c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", port.c_str(), 1);
+      ::execv("/proc/self/exe", argv.data());
+      ::_exit(127);
+    }
+    if (pid < 0) fail("--nproc", "", "cannot start a process");
+    pids.push_back(pid);
+  }
+  int code = 0;
+  for (std::size_t left = pids.size(); left > 0; --left) {
+    int status = 0;
+    const pid_t done = ::wait(&status);
+    const int exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+    if (exit_code != 0 && code == 0) {
+      code = exit_code;
+      for (pid_t p : pids)
+        if (p != done) ::kill(p, SIGTERM);  // the others would wait for the failed rank until their timeout
+    }
+  }
+  return code;
+}
+
 }  // namespace
 
 int cmd_train(int argc, char** argv) {
+  const std::vector<std::string> original_args(argv + 1, argv + argc);
   const std::vector<std::string> overrides = extract_overrides(argc, argv);
   const ConfigSchema schema = train_schema();
   cxxopts::Options o("kvbound train", "Train a learned KV-eviction method on the frozen backbone. Override any config "
@@ -111,6 +179,8 @@ int cmd_train(int argc, char** argv) {
   o.add_options()("config", "YAML config (see configs/trimkv/)", cxxopts::value<std::string>())(
       "resume", "continue run.out_dir's latest checkpoint (same config; model.threads and model.device may differ)")(
       "stop-after", "stop after N updates in this invocation, with a checkpoint", cxxopts::value<std::int64_t>())(
+      "nproc", "data-parallel over N local processes (each trains on its share of every batch)",
+      cxxopts::value<std::int64_t>()->default_value("1"))(
       "h,help", "show help");
   o.parse_positional({"config"});
   o.positional_help("CONFIG");
@@ -124,8 +194,22 @@ int cmd_train(int argc, char** argv) {
   }
   const std::string config_path = r.count("config") ? r["config"].as<std::string>() : "";
   const Config config = Config::load(schema, config_path, overrides);
+  const std::optional<DistributedEnv> env = distributed_env();
+  const std::int64_t nproc = r["nproc"].as<std::int64_t>();
+  if (nproc < 1) fail("--nproc", "", "must be >= 1");
+  if (nproc > 1) {
+    if (env) fail("--nproc", "", "this process is already rank " + std::to_string(env->rank) + " of a launched group");
+    std::vector<std::string> args;
+    for (std::size_t i = 0; i < original_args.size(); ++i) {
+      if (original_args[i] == "--nproc") ++i;  // and its value
+      else if (original_args[i].rfind("--nproc=", 0) != 0) args.push_back(original_args[i]);
+    }
+    return launch_local_ranks(args, nproc, config.get_int("model.threads"));
+  }
+  const std::int64_t rank = env ? env->rank : 0;
   TrainerSettings settings = trainer_settings(config);
   settings.resume = r.count("resume") > 0;
+  settings.shard = {rank, env ? env->world : 1};
   const std::string run_dir = config.get_string("run.out_dir");
   // A resumed run keeps its identity (the hash its checkpoints and exports carry), whatever model.threads is now.
   const std::string config_hash = settings.resume ? check_same_run(schema, config_path, overrides, run_dir) : config.hash();
@@ -138,29 +222,36 @@ int cmd_train(int argc, char** argv) {
   auto method = make_method(config, *model);
   const TrainingRows rows(config.get_string("data.train_text"), *loaded.tokenizer, config.get_int("train.seq_len"),
                           static_cast<std::uint64_t>(config.get_int("train.seed")));
-  std::cerr << "[train] " << method->name() << " on " << loaded.model_path << ": " << rows.num_rows() << " rows of <= "
-            << rows.seq_len() << " tokens from " << rows.num_tokens() << " tokens\n";
+  if (rank == 0)
+    std::cerr << "[train] " << method->name() << " on " << loaded.model_path << ": " << rows.num_rows() << " rows of <= "
+              << rows.seq_len() << " tokens from " << rows.num_tokens() << " tokens\n";
   RunState run(run_dir, config_hash, config.get_int("train.keep_checkpoints"));
-  Trainer trainer(*method, rows, settings, run);
-
-  std::filesystem::create_directories(run_dir);
-  if (!settings.resume) {
-    if (!latest_checkpoint_path(run_dir).empty())
-      fail(run_dir, "run.out_dir", "already holds a run; pass --resume to continue it or choose another folder");
-    config.write(run_dir + "/config.yaml");
+  if (rank == 0) {  // the run folder is rank 0's
+    std::filesystem::create_directories(run_dir);
+    if (!settings.resume) {
+      if (!latest_checkpoint_path(run_dir).empty())
+        fail(run_dir, "run.out_dir", "already holds a run; pass --resume to continue it or choose another folder");
+      config.write(run_dir + "/config.yaml");
+    }
   }
+  std::unique_ptr<DataParallel> data_parallel = env ? std::make_unique<DataParallel>(*env) : nullptr;
+  Trainer trainer(*method, rows, settings, run, data_parallel.get());
   MetricsLog metrics(run.metrics_path(), config.get_int("train.log_every"));
   TensorBoardSink tensorboard((std::filesystem::path(run_dir) / "tensorboard").string());
   if (config.get_bool("run.tensorboard")) metrics.add_sink(&tensorboard);
   ProgressLine progress;
-  PeriodicEval eval(*model, periodic_eval(config, *model, *loaded.tokenizer), metrics, run);
-  for (TrainerCallback* callback : std::initializer_list<TrainerCallback*>{&metrics, &progress, &eval})
-    trainer.add_callback(callback);
+  std::unique_ptr<PeriodicEval> eval;
+  if (rank == 0) {  // logs and evaluations are rank 0's
+    eval = std::make_unique<PeriodicEval>(*model, periodic_eval(config, *model, *loaded.tokenizer), metrics, run);
+    for (TrainerCallback* callback : std::initializer_list<TrainerCallback*>{&metrics, &progress, eval.get()})
+      trainer.add_callback(callback);
+  }
   const TrainSummary summary = trainer.run();
+  if (rank != 0) return 0;
   std::cout << "[train] steps " << summary.first_step << " -> " << summary.last_step << " in " << summary.seconds
             << " s (" << summary.tokens_per_second << " tokens/s), last loss " << summary.last_loss;
-  if (eval.best())
-    std::cout << ", best eval KL " << eval.best()->kl << " at step " << eval.best()->step << " (M=" << eval.budget() << ")";
+  if (eval->best())
+    std::cout << ", best eval KL " << eval->best()->kl << " at step " << eval->best()->step << " (M=" << eval->budget() << ")";
   std::cout << "\n[train] run folder: " << run_dir << " (export: kvbound export " << run_dir << " --best --out "
             << method->name() << ".safetensors)\n";
   return 0;

@@ -12,7 +12,7 @@ log() { echo "[setup] $*" >&2; }
 # 1. Debian packages (build tools, the C++ libraries kvbound links, clang for the fuzzers).
 apt_pkgs=(build-essential cmake ninja-build ccache pkg-config git unzip python3 python3-venv python3-pip
           libyaml-cpp-dev libcxxopts-dev libhdf5-dev nlohmann-json3-dev libgtest-dev libicu-dev libcairo2-dev
-          libprotobuf-dev protobuf-compiler
+          libprotobuf-dev protobuf-compiler libgloo-dev
           clang libclang-rt-14-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -56,7 +56,9 @@ std::int64_t Trainer::end_step() const {
 
 void Trainer::resume() { progress_ = run_.resume(method_, names_, params_, optimizer_); }
 
-void Trainer::checkpoint() { run_.save_checkpoint(progress_, method_, names_, params_, optimizer_); }
+void Trainer::checkpoint() {
+  if (settings_.shard.rank == 0) run_.save_checkpoint(progress_, method_, names_, params_, optimizer_);
+}
 
 StepReport Trainer::step() {
   const TrainerSettings& s = settings_;
@@ -69,20 +71,18 @@ StepReport Trainer::step() {
   for (std::int64_t micro = 0; micro < s.grad_accum; ++micro) {
     const Batch batch = rows_.next(s.batch_size, progress_.position, s.shard).to(params_.front().device());
     const StepLoss loss = method_.loss(batch);
-    for (const auto& [term, value] : loss.terms) {
-      const double v = value.item<double>();
-      check_finite(run_, next, "loss term " + term, v);
-      report.terms[term] += v / accum;
-    }
-    const double total = loss.total.item<double>();
-    check_finite(run_, next, "loss", total);
-    report.loss += total / accum;
+    for (const auto& [term, value] : loss.terms) report.terms[term] += value.item<double>() / accum;
+    report.loss += loss.total.item<double>() / accum;
     (loss.total / accum).backward();
     for (const auto& [k, v] : loss.stats) report.stats[k] += v / accum;
     if (report.per_layer.empty()) report.per_layer.assign(loss.per_layer.size(), 0.0);
     for (std::size_t l = 0; l < loss.per_layer.size(); ++l) report.per_layer[l] += loss.per_layer[l] / accum;
     report.tokens += batch.tokens;
   }
+  // With other processes, the global step's numbers: a NaN on any rank stops every rank at the same check.
+  if (reducer_) reducer_->reduce_report(report);
+  for (const auto& [term, value] : report.terms) check_finite(run_, next, "loss term " + term, value);
+  check_finite(run_, next, "loss", report.loss);
   if (reducer_) reducer_->reduce(params_);
   report.grad_norm = clip_grad_norm(params_, s.grad_clip);
   if (!std::isfinite(report.grad_norm)) {
@@ -102,6 +102,7 @@ StepReport Trainer::step() {
 
 TrainSummary Trainer::run() {
   if (settings_.resume) resume();
+  if (reducer_) reducer_->synchronize(params_);  // every rank starts from rank 0's weights
   TrainSummary summary;
   summary.first_step = progress_.step;
   for (TrainerCallback* c : callbacks_) c->on_start(*this);

@@ -26,7 +26,7 @@ struct TrainerSettings {
   std::int64_t checkpoint_every = 50;
   bool resume = false;          // continue from the run folder's latest checkpoint (the caller checks it is the same run)
   std::int64_t stop_after = 0;  // > 0: stop after this many updates in this invocation (checkpointing first)
-  Shard shard;                  // this process's share of every global batch (data parallelism)
+  Shard shard;                  // this process's share of every global batch (data parallelism); rank 0 writes
 };
 
 // What one update did; callbacks log it.
@@ -46,12 +46,16 @@ struct TrainSummary {
   double last_loss = 0;
 };
 
-// Sums the gradients of the trainable parameters over the processes of a data-parallel run (and divides by
-// their number), between backward and clipping. Without one the trainer runs alone (world 1).
+// What a data-parallel run (train/data_parallel.h) adds to the loop: the same starting weights on every
+// process, the gradients averaged over the processes between backward and clipping, and each step's report
+// averaged (tokens summed) so that rank 0 logs — and every rank checks for NaN — the global step. Without
+// one the trainer runs alone (world 1).
 class GradientReducer {
  public:
   virtual ~GradientReducer() = default;
+  virtual void synchronize(const std::vector<at::Tensor>& params) = 0;
   virtual void reduce(const std::vector<at::Tensor>& params) = 0;
+  virtual void reduce_report(StepReport& report) = 0;
 };
 
 class Trainer;

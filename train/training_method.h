@@ -2,6 +2,7 @@
 // names, a loss for a batch, and the eviction policy that evaluates it. Each method's registration
 // (train/method_registry.h) builds one from a run's config: trimkv, indexmem, memory, joint.
 #pragma once
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 
 #include <map>
