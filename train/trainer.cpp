@@ -32,10 +32,9 @@ std::vector<double> lr_scales_of(const TrainingMethod& method) {
 
 void check_finite(const RunState& run, std::int64_t step, const std::string& what, double value) {
   if (std::isfinite(value)) return;
-  std::ostringstream v;
-  v << value;
+  const std::string shown = std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";  // a NaN's sign means nothing
   fail(run.run_dir(), "step " + std::to_string(step) + ": " + what,
-       "is " + v.str() + "; training stopped (last good checkpoint: " +
+       "is " + shown + "; training stopped (last good checkpoint: " +
            (run.last_good().empty() ? "none" : run.last_good()) + ")");
 }
 

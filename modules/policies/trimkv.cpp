@@ -105,7 +105,7 @@ extern const PolicyRegistration trimkv{
     "trimkv", "the tokens with the highest decayed retention (t + offset - pos)·log β from trained gates",
     [](ConfigSchema& s) {
       s.add("trimkv.score_offset", ConfigType::Int, "0",
-            "trimkv policy: score (t + offset - pos)·log β (0: kvbound, measured better; 2: the official cache)")
+            "trimkv policy: score (t + offset - pos)·log β (0: kvbound; 2: the official cache)")
           .add("trimkv.cut", ConfigType::String, "exceeds",
                "trimkv policy: cut a layer holding more than M + eval.buffer entries (exceeds) or that many (reaches: "
                "the official cache)")
