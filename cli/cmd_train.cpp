@@ -193,8 +193,12 @@ int cmd_train(int argc, char** argv) {
     return 0;
   }
   const std::string config_path = r.count("config") ? r["config"].as<std::string>() : "";
-  const Config config = Config::load(schema, config_path, overrides);
   const std::optional<DistributedEnv> env = distributed_env();
+  std::vector<std::string> resolved = overrides;
+  // One CUDA device per process: `cuda` without an index means this rank's local one.
+  if (env && Config::load(schema, config_path, overrides).get_string("model.device") == "cuda")
+    resolved.push_back("model.device=cuda:" + std::to_string(env->local_rank));
+  const Config config = Config::load(schema, config_path, resolved);
   const std::int64_t nproc = r["nproc"].as<std::int64_t>();
   if (nproc < 1) fail("--nproc", "", "must be >= 1");
   if (nproc > 1) {
@@ -234,7 +238,7 @@ int cmd_train(int argc, char** argv) {
       config.write(run_dir + "/config.yaml");
     }
   }
-  std::unique_ptr<DataParallel> data_parallel = env ? std::make_unique<DataParallel>(*env) : nullptr;
+  std::unique_ptr<DataParallel> data_parallel = env ? std::make_unique<DataParallel>(*env, model->device()) : nullptr;
   Trainer trainer(*method, rows, settings, run, data_parallel.get());
   MetricsLog metrics(run.metrics_path(), config.get_int("train.log_every"));
   TensorBoardSink tensorboard((std::filesystem::path(run_dir) / "tensorboard").string());

@@ -4,6 +4,12 @@
 
 namespace kvbound {
 
+namespace {
+
+void* module_handle = nullptr;  // set once, by load_cuda_kernels
+
+}  // namespace
+
 bool load_cuda_kernels(std::string* why) {
 #ifdef KVBOUND_CUDA_MODULE
   static std::string failure;
@@ -13,7 +19,8 @@ bool load_cuda_kernels(std::string* why) {
       failure = "no NVIDIA driver (libcuda.so.1) on this machine";
       return false;
     }
-    if (::dlopen(KVBOUND_CUDA_MODULE, RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+    module_handle = ::dlopen(KVBOUND_CUDA_MODULE, RTLD_NOW | RTLD_GLOBAL);
+    if (module_handle == nullptr) {
       const char* err = ::dlerror();
       failure = std::string("cannot load ") + KVBOUND_CUDA_MODULE + ": " + (err ? err : "unknown error");
       return false;
@@ -26,6 +33,10 @@ bool load_cuda_kernels(std::string* why) {
   if (why) *why = "this build has no CUDA kernels (KVBOUND_CUDA=OFF or no nvcc)";
   return false;
 #endif
+}
+
+void* cuda_module_symbol(const char* name) {
+  return module_handle == nullptr ? nullptr : ::dlsym(module_handle, name);
 }
 
 }  // namespace kvbound

@@ -11,4 +11,8 @@ namespace kvbound {
 // `*why` when given, when this build has no CUDA module, no driver is present, or loading failed.
 bool load_cuda_kernels(std::string* why = nullptr);
 
+// A C symbol the loaded CUDA module exports (e.g. "kvbound_make_nccl_backend", the ProcessGroupNCCL factory of
+// data-parallel training on CUDA devices); null when the module is not loaded or lacks it.
+void* cuda_module_symbol(const char* name);
+
 }  // namespace kvbound

@@ -12,6 +12,7 @@
 #include <cstdlib>
 
 #include "base/errors.h"
+#include "ops/cuda_module.h"
 
 namespace kvbound {
 namespace {
@@ -31,7 +32,8 @@ constexpr std::int64_t kBucketBytes = 25 << 20;
 
 struct DataParallel::Group {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<c10d::Backend> backend;  // ProcessGroupGloo (CPU) or ProcessGroupNCCL (CUDA)
+  c10::Device device = c10::kCPU;             // where the collectives' tensors live
 };
 
 std::optional<DistributedEnv> distributed_env() {
@@ -51,7 +53,8 @@ std::optional<DistributedEnv> distributed_env() {
   return e;
 }
 
-DataParallel::DataParallel(const DistributedEnv& env, double timeout_s) : env_(env), group_(std::make_unique<Group>()) {
+DataParallel::DataParallel(const DistributedEnv& env, c10::Device device, double timeout_s)
+    : env_(env), group_(std::make_unique<Group>()) {
   const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(env.master_port);
@@ -61,10 +64,20 @@ DataParallel::DataParallel(const DistributedEnv& env, double timeout_s) : env_(e
   options.timeout = timeout;
   try {
     group_->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr == "localhost" ? "127.0.0.1" : env.master_addr));
-    group_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(group_->store, static_cast<int>(env.rank),
-                                                               static_cast<int>(env.world), gloo_options);
+    if (device.is_cuda()) {
+      using Factory = void* (*)(const void*, int, int, long);
+      const auto make_nccl = reinterpret_cast<Factory>(cuda_module_symbol("kvbound_make_nccl_backend"));
+      if (make_nccl == nullptr) fail("data parallel", "model.device", "CUDA without the CUDA module's ProcessGroupNCCL");
+      group_->backend = c10::intrusive_ptr<c10d::Backend>::reclaim(static_cast<c10d::Backend*>(
+          make_nccl(&group_->store, static_cast<int>(env.rank), static_cast<int>(env.world), static_cast<long>(timeout.count()))));
+      group_->device = device;
+    } else {
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr == "localhost" ? "127.0.0.1" : env.master_addr));
+      group_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(group_->store, static_cast<int>(env.rank),
+                                                                    static_cast<int>(env.world), gloo_options);
+    }
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     fail("data parallel", env.master_addr + ":" + std::to_string(env.master_port),
@@ -85,13 +98,13 @@ void DataParallel::reduce(const std::vector<at::Tensor>& params) {
     std::vector<at::Tensor> parts;
     while (end < params.size() && (end == begin || bytes + params[end].numel() * 4 <= kBucketBytes)) {
       const at::Tensor& p = params[end];
-      parts.push_back(p.grad().defined() ? p.grad().to(at::kCPU, at::kFloat).flatten()
-                                         : at::zeros({p.numel()}, at::TensorOptions().dtype(at::kFloat)));
+      parts.push_back(p.grad().defined() ? p.grad().to(group_->device, at::kFloat).flatten()
+                                         : at::zeros({p.numel()}, at::TensorOptions().dtype(at::kFloat).device(group_->device)));
       bytes += p.numel() * 4;
       ++end;
     }
     std::vector<at::Tensor> bucket{at::cat(parts)};
-    group_->gloo->allreduce(bucket)->wait();
+    group_->backend->allreduce(bucket)->wait();
     const at::Tensor mean = bucket[0] / static_cast<double>(env_.world);
     std::int64_t offset = 0;
     for (std::size_t i = begin; i < end; ++i) {
@@ -108,8 +121,8 @@ void DataParallel::reduce(const std::vector<at::Tensor>& params) {
 void DataParallel::synchronize(const std::vector<at::Tensor>& params) {
   const at::NoGradGuard no_grad;
   for (const at::Tensor& p : params) {
-    std::vector<at::Tensor> t{p.detach().to(at::kCPU).contiguous().clone()};
-    group_->gloo->broadcast(t)->wait();
+    std::vector<at::Tensor> t{p.detach().to(group_->device).contiguous().clone()};
+    group_->backend->broadcast(t)->wait();
     p.copy_(t[0]);
   }
 }
@@ -120,9 +133,9 @@ void DataParallel::reduce_report(StepReport& report) {
   for (const auto& [k, v] : report.terms) values.push_back(v);
   for (const auto& [k, v] : report.stats) values.push_back(v);
   values.insert(values.end(), report.per_layer.begin(), report.per_layer.end());
-  std::vector<at::Tensor> t{at::tensor(values, at::TensorOptions().dtype(at::kDouble))};
-  group_->gloo->allreduce(t)->wait();
-  const at::Tensor sum = t[0];
+  std::vector<at::Tensor> t{at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(group_->device)};
+  group_->backend->allreduce(t)->wait();
+  const at::Tensor sum = t[0].to(at::kCPU);
   const double* s = sum.data_ptr<double>();
   const auto world = static_cast<double>(env_.world);
   std::size_t i = 0;

@@ -1,7 +1,7 @@
 // Data-parallel training on LibTorch's c10d: one process per rank, torchrun's environment contract (RANK,
 // WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a TCPStore rendezvous at MASTER_ADDR:MASTER_PORT (rank 0
-// serves it) and ProcessGroupGloo between the processes (CPU tensors; a CUDA run stages its gradients through
-// the CPU). Every rank draws the same global batch and trains on its shard (data/training_rows.h); the trainer
+// serves it) and ProcessGroupGloo between the processes on CPUs, ProcessGroupNCCL (from the CUDA module) on CUDA
+// devices, one device per process. Every rank draws the same global batch and trains on its shard (data/training_rows.h); the trainer
 // calls reduce() between backward and clipping, so every rank applies the same averaged gradient — the update
 // of one process with world × B rows when the rows weigh alike (as with gradient accumulation, each shard's
 // loss is its own mean). Logs, checkpoints and evaluations are rank 0's.
@@ -29,8 +29,9 @@ std::optional<DistributedEnv> distributed_env();
 
 class DataParallel final : public GradientReducer {
  public:
-  // Joins the group (blocks until every rank has connected; kvbound::Error after `timeout_s` without them).
-  explicit DataParallel(const DistributedEnv& env, double timeout_s = 300);
+  // Joins the group (blocks until every rank has connected; kvbound::Error after `timeout_s` without them);
+  // the collectives run on `device` (the run's: Gloo for the CPU, NCCL for a CUDA device).
+  DataParallel(const DistributedEnv& env, c10::Device device, double timeout_s = 300);
   ~DataParallel() override;
 
   std::int64_t rank() const { return env_.rank; }

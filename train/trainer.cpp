@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <sstream>
 
 #include "base/errors.h"
 
