@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "data/tokenizer.h"
@@ -98,11 +99,13 @@ int cmd_eval(int argc, char** argv) {
   write_results_json(results, out_dir + "/results.json");
   const std::string table = results_markdown(results);
   write_file_atomic(out_dir + "/results.md", table);
-  const std::vector<std::string> plots = write_quality_plots(results, out_dir);
+  const std::vector<std::string> plots =
+      KVBOUND_WITH_PLOTS ? write_quality_plots(results, out_dir) : std::vector<std::string>{};
   std::cout << table << "\n";
   std::cerr << "[eval] wrote " << out_dir << "/results.json, results.md";
   for (const auto& p : plots) std::cerr << ", " << std::filesystem::path(p).filename().string();
-  std::cerr << "\n";
+  std::cerr << (KVBOUND_WITH_PLOTS ? "" : " (no plots: this kvbound was built without cairo, KVBOUND_WITH_PLOTS=OFF)")
+            << "\n";
   return 0;
 }
 

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "cli/command_schemas.h"
@@ -76,6 +77,8 @@ int cmd_inspect(int argc, char** argv) {
     std::cout << o.help() << "\n";
     return 0;
   }
+  if (!KVBOUND_WITH_PLOTS)
+    fail("kvbound inspect", "", "its heatmaps need cairo, and this kvbound was built without it (KVBOUND_WITH_PLOTS=OFF)");
   if (!r.count("weights")) fail("kvbound inspect", "RUN_OR_EXPORT", "missing (see --help)");
   if (!r.count("text")) fail("kvbound inspect", "--text", "missing");
   const std::int64_t budget = r["budget"].as<std::int64_t>(), length = r["tokens"].as<std::int64_t>();

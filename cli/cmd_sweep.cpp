@@ -31,6 +31,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "cli/command_schemas.h"
@@ -352,9 +353,12 @@ int cmd_sweep(int argc, char** argv) {
   const std::string table = sweep_markdown(summary);
   write_file_atomic((fs::path(spec.out_dir) / "summary.md").string(), table);
   write_file_atomic((fs::path(spec.out_dir) / "summary.csv").string(), sweep_csv(summary));
-  const std::vector<std::string> plots = write_sweep_plots(summary, (fs::path(spec.out_dir) / "plots").string(), spec.source);
+  const std::vector<std::string> plots =
+      KVBOUND_WITH_PLOTS ? write_sweep_plots(summary, (fs::path(spec.out_dir) / "plots").string(), spec.source)
+                         : std::vector<std::string>{};
   std::cout << table;
-  std::cerr << "[sweep] wrote " << spec.out_dir << "/summary.md, summary.csv and " << plots.size() << " plots\n";
+  std::cerr << "[sweep] wrote " << spec.out_dir << "/summary.md, summary.csv and " << plots.size() << " plots"
+            << (KVBOUND_WITH_PLOTS ? "" : " (this kvbound was built without cairo, KVBOUND_WITH_PLOTS=OFF)") << "\n";
   if (failed.empty()) return 0;
   std::cerr << "[sweep] " << failed.size() << " of " << queue.size() << " runs failed (re-run the sweep to retry them):";
   for (const std::string& f : failed) std::cerr << " " << f;

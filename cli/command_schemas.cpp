@@ -1,5 +1,6 @@
 #include "cli/command_schemas.h"
 
+#include "base/build_options.h"
 #include "cli/model_setup.h"
 #include "modules/policies/registry.h"
 #include "train/method_registry.h"
@@ -45,7 +46,7 @@ ConfigSchema train_schema() {
       .add("train.eval_prefill_len", ConfigType::Int, "128", "eval prefill (then teacher-forced decode, scored)")
       .add("train.eval_chunk_size", ConfigType::Int, "32", "eval prefill chunk size")
       .add("run.out_dir", ConfigType::String, "runs/trimkv", "run folder")
-      .add("run.tensorboard", ConfigType::Bool, "true", "also log every metrics.jsonl line as TensorBoard events (run folder/tensorboard)");
+      .add("run.tensorboard", ConfigType::Bool, KVBOUND_WITH_TENSORBOARD ? "true" : "false", "also log every metrics.jsonl line as TensorBoard events (run folder/tensorboard)");
   declare_method_train_keys(s);
   declare_policy_keys(s);  // the policy that evaluates the method, and the one a memory is trained under
   return s;

@@ -7,10 +7,13 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "base/build_options.h"
 #include "base/errors.h"
 #include "checkpoints/gguf.h"
 #include "base/mapped_file.h"
+#if KVBOUND_WITH_ICU
 #include "data/bpe_tokenizer.h"
+#endif
 #include "data/llama2c_tokenizer.h"
 
 namespace kvbound {
@@ -25,6 +28,7 @@ constexpr std::int32_t kTypeUserDefined = 4;
 constexpr std::int32_t kTypeUnused = 5;
 constexpr std::int32_t kTypeByte = 6;
 
+#if KVBOUND_WITH_ICU
 // Split regexes of the GGUF pre-tokenizer names, as transformers' GGUF loader maps them
 // (integrations/gguf/gguf_tokenizer_mapping.py), which is also what the models' tokenizer.json use.
 constexpr const char* kLlama3Split =
@@ -95,6 +99,14 @@ std::unique_ptr<Tokenizer> gguf_bpe(const GgufFile& gguf) {
   lists.eos_id = optional_id(gguf, "tokenizer.ggml.eos_token_id");
   return BpeTokenizer::from_lists(lists, gguf.path());
 }
+#else
+// Byte-level BPE runs its pre-tokenizer regexes through ICU (data/bpe_tokenizer.cpp).
+constexpr const char* kWithoutIcu =
+    "byte-level BPE tokenizers need ICU, and this kvbound was built without it (KVBOUND_WITH_ICU=OFF): rebuild with "
+    "libicu-dev, or use a model with a sentencepiece or llama2.c tokenizer";
+
+std::unique_ptr<Tokenizer> gguf_bpe(const GgufFile& gguf) { fail(gguf.path(), "tokenizer.ggml.model", kWithoutIcu); }
+#endif
 
 // Sentencepiece pieces spell a space as U+2581; the llama2.c-style tokenizer wants ' '.
 std::string unescape_spaces(const std::string& piece) {
@@ -147,6 +159,7 @@ std::unique_ptr<Tokenizer> load_gguf(const std::string& path) {
   return tokenizer;
 }
 
+#if KVBOUND_WITH_ICU
 std::string read_text(const std::string& path) {
   const std::shared_ptr<const MappedFile> file = MappedFile::open(path);
   return std::string(reinterpret_cast<const char*>(file->data()), file->size());
@@ -159,6 +172,9 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path) {
   const std::string config_text = fs::is_regular_file(config) ? read_text(config.string()) : std::string();
   return BpeTokenizer::from_tokenizer_json(text, path, config_text);
 }
+#else
+std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path) { fail(path, "", kWithoutIcu); }
+#endif
 
 std::string lowercase_extension(const std::string& path) {
   std::string ext = fs::path(path).extension().string();

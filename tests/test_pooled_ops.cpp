@@ -1,7 +1,9 @@
 // IndexMem ops (ops/pooled_attention_importance.h, ops/pooled_index_score.h): the blocked CPU kernels against
 // the naive ATen references for every pool mode, window and gap, GQA and a shared index key, T not a multiple
 // of the blocks, relu on/off (values and gradients, fp32 and fp64); invalid keys; central differences in
-// fp64; and the memory bound measured with the counting CPU allocator.
+// fp64; the memory bound measured with the counting CPU allocator; the tiled path (the ops' CUDA kernels) on the
+// CPU against the same references, and on a GPU against the CPU kernels.
+#include <ATen/Context.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/isfinite.h>
@@ -18,11 +20,14 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "ops/pooled_attention_importance.h"
+#include "ops/cuda_module.h"
 #include "ops/pooled_index_score.h"
+#include "ops/pooled_ops_tiled.h"
 #include "tests/counting_allocator.h"
 
 using namespace kvbound;
@@ -413,6 +418,130 @@ TEST(PooledMemory, BlockedPathsNeverAllocateTimesSquared) {
       });
       EXPECT_LT(student, scores_bytes / 20)
           << name_of(pool) << (relu ? " relu" : "") << " student peak " << student << " bytes";
+    }
+  }
+}
+
+// The tiled ATen path (ops/pooled_ops_tiled.h, the ops' CUDA kernels) run on the CPU against the same references:
+// one-row tiles and tiles that straddle T, values and the gradients of Σ z·weight.
+TEST(PooledOpsTiled, ImportanceMatchesReference) {
+  at::manual_seed(11);
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-12;
+    for (const int64_t T : kLengths) {
+      const at::Tensor q = randn({2, 4, T, 16}, dtype), k = randn({2, 2, T, 16}, dtype);
+      for (const PoolMode pool : kPools)
+        for (const int64_t window : kWindows)
+          for (const int64_t min_gap : kGaps)
+            for (const int64_t rows : {1, 3, 64}) {
+              const std::string what = describe(pool, window, min_gap, T, dtype) + " rows=" + std::to_string(rows);
+              const at::Tensor a = ops::pooled_attention_importance_tiled(q, k, static_cast<int64_t>(pool), window,
+                                                                          min_gap, rows, 64);
+              EXPECT_EQ(a.scalar_type(), dtype) << what;
+              expect_close(a, ops::pooled_attention_importance_reference(q, k, pool, window, min_gap), tol, what);
+            }
+    }
+  }
+}
+
+TEST(PooledOpsTiled, IndexScoreMatchesReference) {
+  at::manual_seed(12);
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const double value_tol = dtype == at::kFloat ? 1e-5 : 1e-12, grad_tol = dtype == at::kFloat ? 1e-4 : 1e-10;
+    for (const int64_t Hk : {2, 1}) {
+      for (const int64_t T : kLengths) {
+        const IndexInputs in = random_index_inputs(2, 4, Hk, T, 16, dtype);
+        // Gradient arrives for every key, invalid ones too: they must pass none of it on.
+        const at::Tensor weight = randn({2, Hk, T}, dtype);
+        for (const bool relu : {false, true})
+          for (const PoolMode pool : kPools)
+            for (const int64_t window : kWindows)
+              for (const int64_t min_gap : kGaps)
+                for (const int64_t rows : {1, 5}) {
+                  const std::string what = describe(pool, window, min_gap, T, dtype) + " Hk=" + std::to_string(Hk) +
+                                           (relu ? " relu" : " identity") + " rows=" + std::to_string(rows);
+                  const at::Tensor valid = ops::pooled_valid_keys(T, window, min_gap);
+                  const auto reference = value_and_grads(in, weight, valid, [&](const IndexInputs& x) {
+                    return ops::pooled_index_score_reference(x.qI, x.kI, x.w, pool, window, min_gap, relu);
+                  });
+                  const auto p = static_cast<int64_t>(pool);
+                  auto [z, argmax] = ops::pooled_index_score_tiled_fwd(in.qI, in.kI, in.w, p, window, min_gap, relu,
+                                                                       rows, 64);
+                  EXPECT_EQ(z.scalar_type(), dtype) << what;
+                  expect_close(z, reference.z, value_tol, what + ": z", valid.expand_as(z));
+                  EXPECT_TRUE(z.masked_select(valid.logical_not()).eq(-INFINITY).all().item<bool>()) << what;
+                  EXPECT_EQ(argmax.size(0), pool == PoolMode::Max ? 2 : 0) << what;
+                  auto [gq, gk, gw] = ops::pooled_index_score_tiled_bwd(weight, in.qI, in.kI, in.w, z, argmax, p,
+                                                                        window, min_gap, relu, rows, 64);
+                  const at::Tensor grads[] = {gq, gk, gw};
+                  for (int g = 0; g < 3; ++g) {
+                    EXPECT_EQ(grads[g].sizes(), in.all()[static_cast<std::size_t>(g)].sizes()) << what;
+                    expect_close(grads[g], reference.grads[g], grad_tol, what + ": " + kGradNames[g]);
+                  }
+                }
+      }
+    }
+  }
+}
+
+// Memory in units of one tile, [B, Hq, rows, T] floats (1/32 of the T×T scores here, 1/256 from T = 16K on): the
+// teacher holds one tile and its masks, the student's relu backward P, relu(P)·g and a transposed copy.
+TEST(PooledOpsTiled, TileMemoryIsAFewTiles) {
+  at::manual_seed(13);
+  const int64_t B = 1, Hq = 4, Hk = 2, D = 16, T = 2048;
+  EXPECT_EQ(ops::pooled_tile_rows(T, 64), 64);
+  EXPECT_EQ(ops::pooled_tile_rows(65536, 64), 256);  // ≤ 256 tiles
+  const double tile_bytes = B * Hq * 64 * T * 4;
+  const at::Tensor q = at::randn({B, Hq, T, D}), k = at::randn({B, Hk, T, D});
+  for (const PoolMode pool : kPools) {
+    const auto p = static_cast<int64_t>(pool);
+    const int64_t teacher = peak_bytes_of([&] { ops::pooled_attention_importance_tiled(q, k, p, 0, 0, 64, 64); });
+    EXPECT_LT(teacher, 1.5 * tile_bytes) << name_of(pool);
+    const IndexInputs in = random_index_inputs(B, Hq, Hk, T, D, at::kFloat);
+    const at::Tensor weight = at::randn({B, Hk, T});
+    const int64_t student = peak_bytes_of([&] {
+      auto [z, argmax] = ops::pooled_index_score_tiled_fwd(in.qI, in.kI, in.w, p, 0, 0, true, 64, 64);
+      ops::pooled_index_score_tiled_bwd(weight, in.qI, in.kI, in.w, z, argmax, p, 0, 0, true, 64, 64);
+    });
+    EXPECT_LT(student, 4 * tile_bytes) << name_of(pool);
+  }
+}
+
+// On a GPU the ops dispatch to the tiled path: the same values and gradients as the CPU kernels, fp32 and bf16.
+TEST(PooledOpsCuda, MatchCpuKernels) {
+  std::string why;
+  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  at::manual_seed(14);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const double tol = dtype == at::kFloat ? 1e-4 : 2e-2;
+    const int64_t T = 300;
+    const at::Tensor q = randn({2, 8, T, 32}, dtype), k = randn({2, 2, T, 32}, dtype);
+    for (const PoolMode pool : kPools) {
+      const std::string what = describe(pool, 64, 2, T, dtype);
+      expect_close(ops::pooled_attention_importance(q.cuda(), k.cuda(), pool, 64, 2).cpu(),
+                   ops::pooled_attention_importance(q.to(at::kFloat), k.to(at::kFloat), pool, 64, 2), tol, what);
+      for (const bool relu : {false, true}) {
+        // The CPU gets the GPU's inputs (rounded to dtype) in float32, so max pooling picks the same queries.
+        const IndexInputs drawn = random_index_inputs(2, 8, 2, T, 32, dtype);
+        IndexInputs cpu, gpu;
+        for (auto [from, to_cpu, to_gpu] : {std::tuple{&drawn.qI, &cpu.qI, &gpu.qI}, std::tuple{&drawn.kI, &cpu.kI, &gpu.kI},
+                                            std::tuple{&drawn.w, &cpu.w, &gpu.w}}) {
+          *to_cpu = from->detach().to(at::kFloat).requires_grad_(true);
+          *to_gpu = from->detach().to(at::kCUDA).requires_grad_(true);
+        }
+        const at::Tensor weight = at::randn({2, 2, T});
+        const at::Tensor valid = ops::pooled_valid_keys(T, 64, 2);
+        const auto expected = value_and_grads(cpu, weight, valid, [&](const IndexInputs& x) {
+          return ops::pooled_index_score(x.qI, x.kI, x.w, pool, 64, 2, relu);
+        });
+        const auto actual = value_and_grads(gpu, weight.to(at::kCUDA, dtype), valid.cuda(), [&](const IndexInputs& x) {
+          return ops::pooled_index_score(x.qI, x.kI, x.w, pool, 64, 2, relu);
+        });
+        expect_close(actual.z.cpu(), expected.z, tol, what + ": z", valid.expand_as(expected.z));
+        for (int g = 0; g < 3; ++g)
+          expect_close(actual.grads[g].cpu(), expected.grads[g], tol, what + (relu ? " relu " : " ") + kGradNames[g]);
+      }
     }
   }
 }

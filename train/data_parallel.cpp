@@ -4,7 +4,9 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
+#ifdef USE_C10D_GLOO  // defined when the gloo headers were found (KVBOUND_WITH_GLOO, CMakeLists.txt)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -72,11 +74,16 @@ DataParallel::DataParallel(const DistributedEnv& env, c10::Device device, double
           make_nccl(&group_->store, static_cast<int>(env.rank), static_cast<int>(env.world), static_cast<long>(timeout.count()))));
       group_->device = device;
     } else {
+#ifdef USE_C10D_GLOO
       auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
       gloo_options->devices.push_back(
           c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr == "localhost" ? "127.0.0.1" : env.master_addr));
       group_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(group_->store, static_cast<int>(env.rank),
                                                                     static_cast<int>(env.world), gloo_options);
+#else
+      fail("data parallel", "model.device", "CPU processes need ProcessGroupGloo, and this kvbound was built without "
+           "the gloo headers (KVBOUND_WITH_GLOO=OFF): use CUDA devices or rebuild with libgloo-dev");
+#endif
     }
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();

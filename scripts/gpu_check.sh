@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU check: one call on the GPU machine (README "GPU"; ../shared/GPU.md says what its image holds). It
+# builds kvbound there against the image's PyTorch (CUDA 13) with the features the image lacks turned off
+# (ICU, cairo, protobuf, gloo headers: CMakeLists.txt KVBOUND_WITH_*), runs every CUDA test
+# (kvbound_device_tests: each kernel against its reference, and the CLI on stories260K on CUDA against the CPU in
+# float32 and bfloat16), then the ops benchmark beside its peers measured in the same run (FlexAttention with the
+# same score_mod, and the naive formula), and prints a summary table last.
+#
+# Usage: scripts/gpu_check.sh OUT_DIR [T ...]
+#   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", timeout_s=480)
+# OUT_DIR receives gpu_check.log (everything), device_tests.xml, ops.jsonl (kernel and naive), ops_flex.jsonl
+# (FlexAttention) and summary.md. Budget: ~3 min to build on 16 cores, ~2 min of tests, ~2 min of benchmarks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [T ...]}
+shift
+lengths=("$@")
+[ ${#lengths[@]} -gt 0 ] || lengths=(1024 4096 8192)
+mkdir -p "$out"
+exec > >(tee "$out/gpu_check.log") 2>&1
+build=${KVBOUND_GPU_BUILD:-build-gpu}
+python=${PYTHON:-python3}
+start=$(date +%s)
+stage() { echo "[gpu_check +$(($(date +%s) - start))s] $*"; }
+status=0
+
+stage "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+torch_prefix=$("$python" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path)') || {
+  echo "gpu_check: $python cannot import torch"; exit 1; }
+stage "configure ($build, torch at $torch_prefix)"
+mkdir -p "$build"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" -DKVBOUND_CUDA=ON \
+  -DKVBOUND_WITH_ICU=OFF -DKVBOUND_WITH_PLOTS=OFF -DKVBOUND_WITH_TENSORBOARD=OFF -DKVBOUND_WITH_GLOO=OFF \
+  -DKVBOUND_PYTHON="$(command -v "$python")" >"$build/configure.log" 2>&1 || {
+  tail -40 "$build/configure.log"; echo "gpu_check: configure failed"; exit 1; }
+stage "build"
+cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops >"$build/build.log" 2>&1 || {
+  grep -m 8 -A 12 -E "error|Error" "$build/build.log"; echo "gpu_check: build failed"; exit 1; }
+
+stage "CUDA tests (kvbound_device_tests)"
+# --gtest_brief: only failures are printed (their messages name the op, dtype, device and both values).
+"$build"/tests/kvbound_device_tests --gtest_brief=1 --gtest_output="xml:$out/device_tests.xml"
+tests_failed=$(grep -o 'failures="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
+tests_skipped=$(grep -o 'skipped="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
+tests_total=$(grep -o 'tests="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
+[ "${tests_failed:-1}" = 0 ] || status=1
+
+stage "ops benchmark: kernels and the naive formula (T = ${lengths[*]})"
+"$build"/bench/bench_cuda_ops "${lengths[@]}" | tee "$out/ops.jsonl" || status=1
+stage "ops benchmark: FlexAttention peer"
+PYTHONUNBUFFERED=1 "$python" bench/peers/flex_retention_attention.py "${lengths[@]}" | tee "$out/ops_flex.jsonl" ||
+  status=1
+
+stage "summary"
+"$python" - "$out" "${tests_total:-?}" "${tests_failed:-?}" "${tests_skipped:-?}" <<'PY' | tee "$out/summary.md"
+import json, pathlib, sys
+out, total, failed, skipped = pathlib.Path(sys.argv[1]), *sys.argv[2:]
+rows = []
+for name in ("ops.jsonl", "ops_flex.jsonl"):
+    path = out / name
+    if path.exists():
+        rows += [json.loads(l) for l in path.read_text().splitlines() if l.startswith("{")]
+print(f"CUDA tests: {total} run, {failed} failed, {skipped} skipped\n")
+print("| op | pass | T | kernel ms (TFLOP/s) | flex ms | naive ms | kernel / flex speed | kernel / naive speed | kernel rel. error | naive bf16 rel. error |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+by = {}
+for r in rows:
+    by[(r["op"], r["pass"], r.get("T", str(r.get("shape"))), r["impl"])] = r
+keys = sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1], str(k[2])))
+for op, p, T in keys:
+    kern, flex, naive = (by.get((op, p, T, i)) for i in ("kernel", "flex", "naive"))
+    ms = lambda r: f"{r['ms']:.3f}" if r else "—"
+    ratio = lambda a, b: f"{b['ms'] / a['ms']:.2f}x" if a and b else "—"
+    err = lambda r: f"{r['rel_error_vs_float64']:.2e}" if r and "rel_error_vs_float64" in r else "—"
+    tf = f" ({kern['tflops']:.0f})" if kern and kern.get("tflops") else ""
+    print(f"| {op} | {p} | {T} | {ms(kern)}{tf} | {ms(flex)} | {ms(naive)} | {ratio(kern, flex)} | {ratio(kern, naive)} | {err(kern)} | {err(naive)} |")
+PY
+stage "done (exit $status)"
+exit $status
