@@ -19,11 +19,13 @@
 // OUT_DIR gets summary.md, summary.csv (mean ± std over seeds of every quality metric, best point per budget)
 // and plots/<metric>_vs_<key>_M<budget>.png.
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <atomic>
+#include <csignal>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <fstream>
@@ -158,8 +160,13 @@ bool run_kvbound(const std::vector<std::string>& args, const std::string& log) {
   std::vector<char*> argv;
   for (std::string& a : argv_text) argv.push_back(a.data());
   argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {  // only async-signal-safe calls until exec
+    // A sweep that is killed takes its steps with it (a survivor would race the re-run's step in the same run
+    // folder). The signal comes when the forking thread ends; that thread waits for this child.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(143);  // the sweep was already gone before prctl
     ::dup2(fd, 1);
     ::dup2(fd, 2);
     ::execv("/proc/self/exe", argv.data());

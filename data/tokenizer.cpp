@@ -28,6 +28,20 @@ constexpr std::int32_t kTypeUserDefined = 4;
 constexpr std::int32_t kTypeUnused = 5;
 constexpr std::int32_t kTypeByte = 6;
 
+std::vector<std::int32_t> token_types(const GgufFile& gguf, std::size_t n_tokens) {
+  if (!gguf.has("tokenizer.ggml.token_type")) return std::vector<std::int32_t>(n_tokens, 1);
+  std::vector<std::int32_t> types = gguf.get_i32_array("tokenizer.ggml.token_type");
+  if (types.size() != n_tokens)
+    fail(gguf.path(), "tokenizer.ggml.token_type",
+         std::to_string(types.size()) + " entries for " + std::to_string(n_tokens) + " tokens");
+  return types;
+}
+
+std::int64_t optional_id(const GgufFile& gguf, const std::string& key) {
+  const std::optional<std::uint32_t> id = gguf.find_u32(key);
+  return id ? static_cast<std::int64_t>(*id) : -1;
+}
+
 #if KVBOUND_WITH_ICU
 // Split regexes of the GGUF pre-tokenizer names, as transformers' GGUF loader maps them
 // (integrations/gguf/gguf_tokenizer_mapping.py), which is also what the models' tokenizer.json use.
@@ -58,20 +72,6 @@ std::string gguf_pre_tokenizer(const std::string& pre, const std::string& path) 
   if (pre == "qwen2" || pre == "deepseek-r1-qwen" || pre == "megrez") return split_then_byte_level(kQwen2Split);
   fail(path, "tokenizer.ggml.pre", "pre-tokenizer '" + pre +
                                        "' is not supported (default, gpt-2, smollm, llama-bpe/llama3, qwen2)");
-}
-
-std::vector<std::int32_t> token_types(const GgufFile& gguf, std::size_t n_tokens) {
-  if (!gguf.has("tokenizer.ggml.token_type")) return std::vector<std::int32_t>(n_tokens, 1);
-  std::vector<std::int32_t> types = gguf.get_i32_array("tokenizer.ggml.token_type");
-  if (types.size() != n_tokens)
-    fail(gguf.path(), "tokenizer.ggml.token_type",
-         std::to_string(types.size()) + " entries for " + std::to_string(n_tokens) + " tokens");
-  return types;
-}
-
-std::int64_t optional_id(const GgufFile& gguf, const std::string& key) {
-  const std::optional<std::uint32_t> id = gguf.find_u32(key);
-  return id ? static_cast<std::int64_t>(*id) : -1;
 }
 
 std::unique_ptr<Tokenizer> gguf_bpe(const GgufFile& gguf) {

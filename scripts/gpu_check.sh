@@ -4,12 +4,14 @@
 # (ICU, cairo, protobuf, gloo headers: CMakeLists.txt KVBOUND_WITH_*), runs every CUDA test
 # (kvbound_device_tests: each kernel against its reference, and the CLI on stories260K on CUDA against the CPU in
 # float32 and bfloat16), then the ops benchmark beside its peers measured in the same run (FlexAttention with the
-# same score_mod, and the naive formula), and prints a summary table last.
+# same score_mod, and the naive formula), decode at 32K context on a random-weight model with Llama-3.2-1B's shapes
+# (full vs trimkv and h2o at M = 1024), and prints a summary table last.
 #
 # Usage: scripts/gpu_check.sh OUT_DIR [T ...]
 #   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", timeout_s=480)
 # OUT_DIR receives gpu_check.log (everything), device_tests.xml, ops.jsonl (kernel and naive), ops_flex.jsonl
-# (FlexAttention) and summary.md. Budget: ~3 min to build on 16 cores, ~2 min of tests, ~2 min of benchmarks.
+# (FlexAttention), decode.jsonl and summary.md. Budget: ~3 min to build on 16 cores, ~2 min of tests, ~3 min of
+# benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [T ...]}
@@ -34,7 +36,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="
   -DKVBOUND_PYTHON="$(command -v "$python")" >"$build/configure.log" 2>&1 || {
   tail -40 "$build/configure.log"; echo "gpu_check: configure failed"; exit 1; }
 stage "build"
-cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops >"$build/build.log" 2>&1 || {
+cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops bench_decode >"$build/build.log" 2>&1 || {
   grep -m 8 -A 12 -E "error|Error" "$build/build.log"; echo "gpu_check: build failed"; exit 1; }
 
 stage "CUDA tests (kvbound_device_tests)"
@@ -50,6 +52,16 @@ stage "ops benchmark: kernels and the naive formula (T = ${lengths[*]})"
 stage "ops benchmark: FlexAttention peer"
 PYTHONUNBUFFERED=1 "$python" bench/peers/flex_retention_attention.py "${lengths[@]}" | tee "$out/ops_flex.jsonl" ||
   status=1
+
+stage "decode: random Llama-3.2-1B shapes, context 32768, batch 4, bf16: full vs trimkv and h2o at M = 1024"
+model_dir=${TMPDIR:-/tmp}/kvbound_random_llama1b
+"$python" bench/peers/make_random_llama.py "$model_dir" || status=1
+: >"$out/decode.jsonl"
+for run in "full 1" "trimkv 1024" "h2o 1024"; do
+  set -- $run
+  "$build"/bench/bench_decode "$model_dir" 32768 "$1" "$2" 8 64 1024 cuda 4 bfloat16 | tee -a "$out/decode.jsonl" ||
+    status=1
+done
 
 stage "summary"
 "$python" - "$out" "${tests_total:-?}" "${tests_failed:-?}" "${tests_skipped:-?}" <<'PY' | tee "$out/summary.md"
@@ -74,6 +86,15 @@ for op, p, T in keys:
     err = lambda r: f"{r['rel_error_vs_float64']:.2e}" if r and "rel_error_vs_float64" in r else "—"
     tf = f" ({kern['tflops']:.0f})" if kern and kern.get("tflops") else ""
     print(f"| {op} | {p} | {T} | {ms(kern)}{tf} | {ms(flex)} | {ms(naive)} | {ratio(kern, flex)} | {ratio(kern, naive)} | {err(kern)} | {err(naive)} |")
+decode = out / "decode.jsonl"
+runs = [json.loads(l) for l in decode.read_text().splitlines() if l.startswith("{")] if decode.exists() else []
+full = next((r for r in runs if r["policy"] == "full"), None)
+if runs:
+    print("\n| decode (context 32768, batch 4, bf16) | M | tokens/s | vs full | peak KV MiB |")
+    print("|---|---|---|---|---|")
+    for r in runs:
+        vs = f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x" if full else "—"
+        print(f"| {r['policy']} | {r['budget'] or '—'} | {r['decode_tok_s']:.1f} | {vs} | {r['peak_kv_bytes'] / 2**20:.0f} |")
 PY
 stage "done (exit $status)"
 exit $status

@@ -1,7 +1,7 @@
 // `kvbound sweep` end to end on stories260K (tiny runs, one thread each): a grid of 2 train points x 2 seeds x
 // 2 eval variants with --jobs 2 writes every run, the summary (mean ± std over seeds, the best row per budget)
-// and its plots; killed mid-way and re-run, it finishes only what was left; a failing point is reported
-// while the others complete.
+// and its plots; killed mid-way and re-run, it finishes only what was left; killed alone, it leaves no step
+// running; a failing point is reported while the others complete.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -99,6 +99,48 @@ TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
   std::size_t evals = 0;
   for (std::size_t at = err.find(": eval "); at != std::string::npos; at = err.find(": eval ", at + 1)) ++evals;
   EXPECT_EQ(evals, 8u - done_before) << err;
+}
+
+// Processes still running whose command line mentions `text` (a zombie's is empty).
+std::vector<std::string> live_processes_mentioning(const std::string& text) {
+  std::vector<std::string> found;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream in(e.path() / "cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(in)), {});
+    if (cmdline.find(text) != std::string::npos) found.push_back(e.path().filename().string() + ": " + cmdline.c_str());
+  }
+  return found;
+}
+
+// The sweep alone killed (SIGKILL to its pid, as `kill PID` would, not to its group): its running steps end too,
+// so no orphan writes into a run folder that a re-run is about to resume.
+TEST(SweepCli, KillingTheSweepStopsItsSteps) {
+  test::TempDir dir("sweep_orphans");
+  write_sweep(dir, "[4, 8]");
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(test::stories260k_cli(), "  steps: 100000\n",  // far past the 10 s
+                                                            "trimkv:\n  gate_hidden: 16\n");
+  const std::string command = "setsid " + test::kvbound_bin() + " sweep " + (dir / "sweep.yaml") + " --jobs 2 >" +
+                              (dir / "first.log") + " 2>&1 & echo $!";
+  FILE* p = ::popen(command.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  long pid = 0;
+  ASSERT_EQ(std::fscanf(p, "%ld", &pid), 1);
+  ::pclose(p);
+  const std::string runs = dir / "out";
+  std::vector<std::string> steps;
+  for (int i = 0; i < 600 && steps.empty(); ++i) {
+    for (const std::string& proc : live_processes_mentioning(runs))
+      if (proc.find(": kvbound") != std::string::npos) steps.push_back(proc);
+    if (steps.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_FALSE(steps.empty()) << "no step started within a minute";
+  ::kill(static_cast<pid_t>(pid), SIGKILL);
+  std::vector<std::string> left = live_processes_mentioning(runs);
+  for (int i = 0; i < 100 && !left.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    left = live_processes_mentioning(runs);
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " steps outlived the sweep by 10 s, e.g. " << left.front();
 }
 
 TEST(SweepCli, AFailingPointIsReportedAndTheOthersComplete) {
