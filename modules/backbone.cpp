@@ -232,8 +232,12 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
   TORCH_CHECK(tokens.dim() == 2, "Backbone::forward: tokens must be [B, T]");
   TORCH_CHECK(cache.num_layers() == config_.num_layers, "Backbone::forward: cache has the wrong number of layers");
   const std::int64_t T = tokens.size(1);
-  const std::int64_t bad = ((tokens < 0) | (tokens >= config_.vocab_size)).sum().item<std::int64_t>();
-  if (bad > 0) fail(source_, "tokens", std::to_string(bad) + " token ids outside [0, " + std::to_string(config_.vocab_size) + ")");
+  // Ids from the host (a tokenizer, a dataset, a sampler) are checked. Ids already on an accelerator are the
+  // model's own argmax and in range by construction; checking them would cost a host sync per decoded token.
+  if (tokens.is_cpu()) {
+    const std::int64_t bad = ((tokens < 0) | (tokens >= config_.vocab_size)).sum().item<std::int64_t>();
+    if (bad > 0) fail(source_, "tokens", std::to_string(bad) + " token ids outside [0, " + std::to_string(config_.vocab_size) + ")");
+  }
   const at::Tensor ids = tokens.to(device_, at::kLong);
   const at::Tensor positions = at::arange(cache.next_position(), cache.next_position() + T, ids.options());
   const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, D/2]

@@ -69,8 +69,9 @@ class Backbone {
 
   // Runs tokens [B, T] at positions cache.next_position() + [0, T) through every layer, appending their
   // keys/values to `cache`; returns the final normed hidden states [B, T, hidden] (compute dtype, on the
-  // backbone's device). Token ids outside the vocabulary are a kvbound::Error (checked where `tokens` lives:
-  // pass host tokens to keep the device free of synchronisation).
+  // backbone's device). Host token ids outside the vocabulary are a kvbound::Error; ids already on an
+  // accelerator (the model's own argmax, fed back while decoding) are not checked, so decoding on the device
+  // makes no host synchronisation per token.
   at::Tensor forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const;
   // Logits [B, T, vocab] in float32 for hidden states from forward_hidden.
   at::Tensor logits(const at::Tensor& hidden) const;

@@ -5,13 +5,15 @@
 # (kvbound_device_tests: each kernel against its reference, and the CLI on stories260K on CUDA against the CPU in
 # float32 and bfloat16), then the ops benchmark beside its peers measured in the same run (FlexAttention with the
 # same score_mod, and the naive formula), decode at 32K context on a random-weight model with Llama-3.2-1B's shapes
-# (full vs trimkv and h2o at M = 1024), and prints a summary table last.
+# (full vs trimkv and h2o at M = 1024), a training update there against the official TRIM-KV package's, and prints a
+# summary table last.
 #
 # Usage: scripts/gpu_check.sh OUT_DIR [T ...]
-#   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", timeout_s=480)
+#   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", carry=[".whl"], timeout_s=570)
+#   (.whl/ from scripts/gpu_wheels.sh: the official TRIM-KV package for the training peer)
 # OUT_DIR receives gpu_check.log (everything), device_tests.xml, ops.jsonl (kernel and naive), ops_flex.jsonl
-# (FlexAttention), decode.jsonl and summary.md. Budget: ~3 min to build on 16 cores, ~2 min of tests, ~3 min of
-# benchmarks.
+# (FlexAttention), decode.jsonl, train.jsonl and summary.md. Budget: ~3 min to build on 16 cores, ~2 min of
+# tests, ~4 min of benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [T ...]}
@@ -36,16 +38,17 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="
   -DKVBOUND_PYTHON="$(command -v "$python")" >"$build/configure.log" 2>&1 || {
   tail -40 "$build/configure.log"; echo "gpu_check: configure failed"; exit 1; }
 stage "build"
-cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops bench_decode >"$build/build.log" 2>&1 || {
+cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops bench_decode bench_train_step >"$build/build.log" 2>&1 || {
   grep -m 8 -A 12 -E "error|Error" "$build/build.log"; echo "gpu_check: build failed"; exit 1; }
 
 stage "CUDA tests (kvbound_device_tests)"
 # --gtest_brief: only failures are printed (their messages name the op, dtype, device and both values).
 "$build"/tests/kvbound_device_tests --gtest_brief=1 --gtest_output="xml:$out/device_tests.xml"
 tests_failed=$(grep -o 'failures="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
-tests_skipped=$(grep -o 'skipped="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
+tests_skipped=$(grep -c 'result="skipped"' "$out/device_tests.xml" 2>/dev/null)
 tests_total=$(grep -o 'tests="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
-[ "${tests_failed:-1}" = 0 ] || status=1
+# On a GPU nothing may skip: a skip means the CUDA module did not load or saw no device.
+[ "${tests_failed:-1}" = 0 ] && [ "${tests_skipped:-1}" = 0 ] || status=1
 
 stage "ops benchmark: kernels and the naive formula (T = ${lengths[*]})"
 "$build"/bench/bench_cuda_ops "${lengths[@]}" | tee "$out/ops.jsonl" || status=1
@@ -62,6 +65,19 @@ for run in "full 1" "trimkv 1024" "h2o 1024"; do
   "$build"/bench/bench_decode "$model_dir" 32768 "$1" "$2" 8 64 1024 cuda 4 bfloat16 | tee -a "$out/decode.jsonl" ||
     status=1
 done
+
+stage "training: one TRIM-KV update at T = 8192, B 1, bf16 (gate width 512, M_train 512), and IndexMem stage 1"
+"$build"/bench/bench_train_step "$model_dir" trimkv 8192 1 4 cuda bfloat16 trimkv.gate_hidden=512 trimkv.budget=512 |
+  tee "$out/train.jsonl" || status=1
+"$build"/bench/bench_train_step "$model_dir" indexmem 8192 1 4 cuda bfloat16 | tee -a "$out/train.jsonl" || status=1
+if ls .whl/trimkv-*.whl >/dev/null 2>&1; then  # the official package's update (scripts/gpu_wheels.sh, carried)
+  "$python" -m pip install -q --no-index --no-deps --no-compile --target "${TMPDIR:-/tmp}/kvbound_peer_site" .whl/*.whl &&
+    PYTHONPATH="${TMPDIR:-/tmp}/kvbound_peer_site" PYTHONUNBUFFERED=1 "$python" bench/peers/official_trimkv_step.py 8192 |
+    tee -a "$out/train.jsonl" || status=1
+else
+  echo "gpu_check: no .whl/ carried: the official TRIM-KV peer cannot run (scripts/gpu_wheels.sh, then carry .whl)"
+  status=1
+fi
 
 stage "summary"
 "$python" - "$out" "${tests_total:-?}" "${tests_failed:-?}" "${tests_skipped:-?}" <<'PY' | tee "$out/summary.md"
@@ -86,6 +102,18 @@ for op, p, T in keys:
     err = lambda r: f"{r['rel_error_vs_float64']:.2e}" if r and "rel_error_vs_float64" in r else "—"
     tf = f" ({kern['tflops']:.0f})" if kern and kern.get("tflops") else ""
     print(f"| {op} | {p} | {T} | {ms(kern)}{tf} | {ms(flex)} | {ms(naive)} | {ratio(kern, flex)} | {ratio(kern, naive)} | {err(kern)} | {err(naive)} |")
+train = out / "train.jsonl"
+steps = [json.loads(l) for l in train.read_text().splitlines() if l.startswith("{")] if train.exists() else []
+ours = {r["method"]: r for r in steps if r.get("impl") == "kvbound"}
+peer = next((r for r in steps if r.get("peer") and "tokens_per_s" in r), None)
+if steps:
+    print("\n| training update (T 8192, B 1, bf16) | ms | tokens/s | vs the official TRIM-KV package |")
+    print("|---|---|---|---|")
+    for name, r in ours.items():
+        vs = f"{r['tok_s'] / peer['tokens_per_s']:.2f}x" if peer and name == "trimkv" else "—"
+        print(f"| kvbound {name} | {r['ms_per_update']:.0f} | {r['tok_s']:.0f} | {vs} |")
+    if peer:
+        print(f"| official trimkv 0.1.5 | {peer['median_ms']:.0f} | {peer['tokens_per_s']:.0f} | 1.00x |")
 decode = out / "decode.jsonl"
 runs = [json.loads(l) for l in decode.read_text().splitlines() if l.startswith("{")] if decode.exists() else []
 full = next((r for r in runs if r["policy"] == "full"), None)

@@ -1,0 +1,91 @@
+// Training throughput of a learned method's update on random tokens, for models no tokenizer travels with
+// (bench/peers/make_random_llama.py on the GPU machine): what Trainer::step does without its data, logs and
+// checkpoints — the method's loss on a batch (teacher forward, student forward with the method's modules, its
+// loss terms), backward, gradient clipping and AdamW on the trainable tensors — timed over STEPS updates after
+// two warm-up updates, the clock read after a device barrier on CUDA. Any train key can be set as in
+// `kvbound train` (e.g. trimkv.gate_hidden=512). Prints one JSON line.
+// Usage: bench_train_step MODEL METHOD SEQ_LEN BATCH [steps=5] [device=cpu] [dtype=float32] [key=value ...]
+#include <ATen/Parallel.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randint.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "base/config.h"
+#include "base/errors.h"
+#include "cli/command_schemas.h"
+#include "data/training_rows.h"
+#include "modules/backbone.h"
+#include "ops/cuda_module.h"
+#include "ops/device.h"
+#include "train/method_registry.h"
+#include "train/optimizer.h"
+
+int main(int argc, char** argv) try {
+  if (argc < 5) {
+    std::cerr << "usage: bench_train_step MODEL METHOD SEQ_LEN BATCH [steps=5] [device=cpu] [dtype=float32] "
+                 "[key=value ...]\n";
+    return 2;
+  }
+  using Clock = std::chrono::steady_clock;
+  const std::string model_path = argv[1], method_name = argv[2];
+  const std::int64_t T = std::stoll(argv[3]), B = std::stoll(argv[4]);
+  const int steps = argc > 5 ? std::stoi(argv[5]) : 5;
+  const std::string device_name = argc > 6 ? argv[6] : "cpu", dtype_name = argc > 7 ? argv[7] : "float32";
+  std::vector<std::string> overrides = {"data.train_text=unused", "model.path=" + model_path,
+                                        "model.device=" + device_name, "model.dtype=" + dtype_name,
+                                        "train.method=" + method_name};
+  for (int i = 8; i < argc; ++i) overrides.push_back(argv[i]);
+  const kvbound::Config config = kvbound::Config::load(kvbound::train_schema(), "", overrides);
+  if (config.get_int("model.threads") > 0) at::set_num_threads(static_cast<int>(config.get_int("model.threads")));
+  const c10::Device device = kvbound::resolve_device(device_name, "bench_train_step device");
+  void (*barrier)() = device.is_cuda() ? reinterpret_cast<void (*)()>(kvbound::cuda_module_symbol("kvbound_cuda_synchronize"))
+                                       : nullptr;
+  const auto now = [&] {
+    if (barrier) barrier();
+    return Clock::now();
+  };
+  const auto dtype = config.get_string("model.dtype") == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  const auto model = kvbound::Backbone::load(model_path, dtype, device);
+  kvbound::MethodSetup setup{config, *model, 0, {}, {}};
+  auto method = kvbound::find_method(method_name).make(setup);
+  std::vector<at::Tensor> params;
+  for (const auto& [name, tensor] : method->named_parameters()) params.push_back(tensor);
+  kvbound::AdamW optimizer(params, kvbound::AdamWSettings{});
+
+  at::manual_seed(0);
+  kvbound::Batch batch;
+  batch.inputs = at::randint(3, model->config().vocab_size, {B, T}, at::TensorOptions().dtype(at::kLong));
+  batch.targets = at::full_like(batch.inputs, -1);
+  batch.targets.narrow(1, 0, T - 1).copy_(batch.inputs.narrow(1, 1, T - 1));
+  batch.weights = (batch.targets >= 0).to(at::kFloat);
+  batch.tokens = B * (T - 1);
+  batch = batch.to(device);
+  double loss = 0;
+  const auto update = [&] {
+    optimizer.zero_grad();
+    const kvbound::StepLoss step = method->loss(batch);
+    step.total.backward();
+    kvbound::clip_grad_norm(params, 1.0);
+    optimizer.step(1e-4);
+    loss = step.total.item<double>();
+  };
+  for (int i = 0; i < 2; ++i) update();
+  const auto t0 = now();
+  for (int i = 0; i < steps; ++i) update();
+  const double seconds = std::chrono::duration<double>(now() - t0).count() / steps;
+  std::printf("{\"impl\": \"kvbound\", \"method\": \"%s\", \"T\": %ld, \"B\": %ld, \"device\": \"%s\", \"dtype\": \"%s\", "
+              "\"ms_per_update\": %.1f, \"tok_s\": %.1f, \"loss\": %.4f}\n",
+              method_name.c_str(), static_cast<long>(T), static_cast<long>(B), device.str().c_str(), dtype_name.c_str(),
+              seconds * 1e3, static_cast<double>(B * T) / seconds, loss);
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "bench_train_step: " << e.what() << "\n";
+  return 1;
+}
