@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "test_env.h"
 
 namespace fs = std::filesystem;
@@ -66,6 +68,52 @@ TEST(Cli, GenerateReproducesLlama2cOnStories260K) {
                            "--max-new-tokens 7 --threads 1");  // BOS is prepended, as run.c does
   ASSERT_EQ(prompted.code, 0) << prompted.err;
   EXPECT_EQ(prompted.out, " little girl named Lily.\n");
+}
+
+std::vector<std::pair<std::string, std::string>> read_samples(const fs::path& jsonl) {
+  std::ifstream in(jsonl);
+  std::vector<std::pair<std::string, std::string>> samples;  // (prompt, text)
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    samples.emplace_back(j.at("prompt").get<std::string>(), j.at("text").get<std::string>());
+  }
+  return samples;
+}
+
+// --prompts: every prompt sampled --samples times as one batch into a JSON-lines file. Greedy rows equal the
+// one-prompt generation (the batch changes nothing), sampled rows differ from each other, and the same seed
+// writes the same file.
+TEST(Cli, GenerateSamplesEveryPromptIntoJsonLines) {
+  const std::string dir = kvbound::test::asset("stories260K");
+  KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
+  kvbound::test::TempDir tmp("generate_samples");
+  std::ofstream(tmp / "prompts.txt") << "Once upon a time\n\nThe little dog\n";
+  const std::string base = "generate --model " + quote(dir) + " --threads 1 --max-new-tokens 30 --prompts " +
+                           (tmp / "prompts.txt") + " --samples 3";
+  const CliRun greedy = run(base + " --out " + (tmp / "greedy.jsonl"));
+  ASSERT_EQ(greedy.code, 0) << greedy.err;
+  const auto rows = read_samples(tmp / "greedy.jsonl");
+  ASSERT_EQ(rows.size(), 6u);
+  for (const std::string prompt : {"Once upon a time", "The little dog"}) {
+    const CliRun one = run("generate --model " + quote(dir) + " --threads 1 --max-new-tokens 30 --prompt " + quote(prompt));
+    ASSERT_EQ(one.code, 0) << one.err;
+    for (const auto& [p, text] : rows)
+      if (p == prompt) EXPECT_EQ(text, prompt + one.out.substr(0, one.out.size() - 1)) << prompt;  // stdout ends in \n
+  }
+  ASSERT_EQ(run(base + " --temperature 1 --seed 5 --out " + (tmp / "a.jsonl")).code, 0);
+  ASSERT_EQ(run(base + " --temperature 1 --seed 5 --out " + (tmp / "b.jsonl")).code, 0);
+  const auto a = read_samples(tmp / "a.jsonl"), b = read_samples(tmp / "b.jsonl");
+  EXPECT_EQ(a, b);
+  ASSERT_EQ(a.size(), 6u);
+  EXPECT_NE(a[0].second, a[1].second);
+  EXPECT_EQ(a[3].second.rfind("The little dog", 0), 0u) << a[3].second;
+
+  const CliRun lonely = run("generate --model " + quote(dir) + " --samples 3");
+  EXPECT_NE(lonely.code, 0);
+  EXPECT_NE(lonely.err.find("--samples: needs --prompts and --out"), std::string::npos) << lonely.err;
+  const CliRun no_out = run("generate --model " + quote(dir) + " --prompts " + (tmp / "prompts.txt"));
+  EXPECT_NE(no_out.code, 0);
+  EXPECT_NE(no_out.err.find("--prompts and --out go together"), std::string::npos) << no_out.err;
 }
 
 TEST(Cli, InfoDescribesTheModel) {
