@@ -242,15 +242,16 @@ TEST(PolicyScores, TrimKVOptionsScoreAsTheOfficialCache) {
   const auto gates = modules.find<RetentionGates>();
   const auto log1mexp = [](const at::Tensor& x) { return at::log(-at::expm1(x)); };
   struct Case {
-    std::int64_t offset, lookahead, window;
+    std::int64_t offset, lookahead, window, sinks;
   };
-  for (const Case c : {Case{0, 1, 0}, Case{2, 1, 0}, Case{2, 4, 0}, Case{0, 1, 5}}) {
+  for (const Case c : {Case{0, 1, 0, 0}, Case{2, 1, 0, 0}, Case{2, 4, 0, 0}, Case{0, 1, 5, 0}, Case{0, 1, 0, 3}}) {
     SCOPED_TRACE("offset " + std::to_string(c.offset) + " lookahead " + std::to_string(c.lookahead) + " window " +
-                 std::to_string(c.window));
+                 std::to_string(c.window) + " sinks " + std::to_string(c.sinks));
     auto policy = make_policy("trimkv",
                               policy_config({"trimkv.score_offset=" + std::to_string(c.offset),
                                              "trimkv.lookahead=" + std::to_string(c.lookahead),
-                                             "trimkv.sliding_window=" + std::to_string(c.window)}),
+                                             "trimkv.sliding_window=" + std::to_string(c.window),
+                                             "trimkv.sinks=" + std::to_string(c.sinks)}),
                               modules);
     BudgetedCache budgeted(*policy, 1000);
     Probe probe;
@@ -265,6 +266,7 @@ TEST(PolicyScores, TrimKVOptionsScoreAsTheOfficialCache) {
       at::Tensor want = c.lookahead == 1 ? age * lb
                                          : (age + 1) * lb + log1mexp(lb * static_cast<double>(c.lookahead)) - log1mexp(lb);
       if (c.window > 0) want.narrow(-1, T - c.window, c.window).fill_(std::numeric_limits<double>::infinity());
+      if (c.sinks > 0) want.narrow(-1, 0, c.sinks).fill_(std::numeric_limits<double>::infinity());
       const at::Tensor got = probe.scores[l];
       EXPECT_TRUE(at::equal(got.isinf(), want.isinf())) << "layer " << l;
       const at::Tensor finite = want.isfinite();

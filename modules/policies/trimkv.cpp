@@ -13,6 +13,8 @@
 //   Σ_{k=1..n} β^(a+k) = β^(a+1)·(1 − β^n)/(1 − β) with a = t + o − pos, in logs as the official
 //   compute_log_G does it (positive round-off of n·log β and log β clamped to −1e-9).
 // - trimkv.sliding_window w: the w newest cached entries are always kept.
+// And one rule of kvbound's own, not in the official cache: trimkv.sinks s keeps positions 0..s−1 (the
+// attention sinks StreamingLLM keeps) whatever their gates say.
 #include <ATen/ops/exp.h>
 #include <ATen/ops/expm1.h>
 #include <ATen/ops/full_like.h>
@@ -36,6 +38,7 @@ struct TrimKVOptions {
   bool cut_when_reached = false;
   std::int64_t lookahead = 1;
   std::int64_t sliding_window = 0;
+  std::int64_t sinks = 0;
 };
 
 TrimKVOptions trimkv_options(const Config& c) {
@@ -48,6 +51,8 @@ TrimKVOptions trimkv_options(const Config& c) {
   if (o.lookahead < 1) fail("config", "trimkv.lookahead", "must be >= 1");
   o.sliding_window = c.get_int("trimkv.sliding_window");
   if (o.sliding_window < 0) fail("config", "trimkv.sliding_window", "must be >= 0");
+  o.sinks = c.get_int("trimkv.sinks");
+  if (o.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
   return o;
 }
 
@@ -81,6 +86,8 @@ class TrimKV final : public EvictionPolicy {
       const std::int64_t w = std::min(options_.sliding_window, score.size(-1));
       score.narrow(-1, score.size(-1) - w, w).fill_(std::numeric_limits<float>::infinity());
     }
+    if (options_.sinks > 0)
+      score.masked_fill_(v.cache->positions(v.layer) < options_.sinks, std::numeric_limits<float>::infinity());
     return score;
   }
 
@@ -111,7 +118,9 @@ extern const PolicyRegistration trimkv{
                "the official cache)")
           .add("trimkv.lookahead", ConfigType::Int, "1",
                "trimkv policy: score by the retention expected over the next n steps (1: the current one)")
-          .add("trimkv.sliding_window", ConfigType::Int, "0", "trimkv policy: the newest w cached tokens are always kept");
+          .add("trimkv.sliding_window", ConfigType::Int, "0", "trimkv policy: the newest w cached tokens are always kept")
+          .add("trimkv.sinks", ConfigType::Int, "0",
+               "trimkv policy: positions 0..s-1 (attention sinks) are always kept (kvbound's rule, not the official cache's)");
     },
     [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
       const TrimKVOptions options = trimkv_options(c);
