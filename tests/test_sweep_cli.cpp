@@ -46,6 +46,18 @@ std::vector<fs::path> results_files(const fs::path& out) {
   return found;
 }
 
+// `kvbound sweep DIR/sweep.yaml --jobs N` started in its own process group (log in DIR/first.log); its pid, or -1.
+long start_sweep_in_background(const test::TempDir& dir, int jobs) {
+  const std::string command = "setsid " + test::kvbound_bin() + " sweep " + (dir / "sweep.yaml") + " --jobs " +
+                              std::to_string(jobs) + " >" + (dir / "first.log") + " 2>&1 & echo $!";
+  FILE* p = ::popen(command.c_str(), "r");
+  if (p == nullptr) return -1;
+  long pid = -1;
+  if (std::fscanf(p, "%ld", &pid) != 1) pid = -1;
+  ::pclose(p);
+  return pid;
+}
+
 TEST(SweepCli, RunsEveryPointAndSummarisesOverSeeds) {
   test::TempDir dir("sweep_all");
   write_sweep(dir, "[4, 8]");
@@ -72,13 +84,8 @@ TEST(SweepCli, RunsEveryPointAndSummarisesOverSeeds) {
 TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
   test::TempDir dir("sweep_kill");
   write_sweep(dir, "[4, 8]");
-  const std::string command = "setsid " + test::kvbound_bin() + " sweep " + (dir / "sweep.yaml") + " --jobs 1 >" +
-                              (dir / "first.log") + " 2>&1 & echo $!";
-  FILE* p = ::popen(command.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  long pid = 0;
-  ASSERT_EQ(std::fscanf(p, "%ld", &pid), 1);
-  ::pclose(p);
+  const long pid = start_sweep_in_background(dir, 1);
+  ASSERT_GT(pid, 0);
   std::vector<fs::path> early;
   for (int i = 0; i < 600 && early.empty(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -119,13 +126,8 @@ TEST(SweepCli, KillingTheSweepStopsItsSteps) {
   write_sweep(dir, "[4, 8]");
   std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(test::stories260k_cli(), "  steps: 100000\n",  // far past the 10 s
                                                             "trimkv:\n  gate_hidden: 16\n");
-  const std::string command = "setsid " + test::kvbound_bin() + " sweep " + (dir / "sweep.yaml") + " --jobs 2 >" +
-                              (dir / "first.log") + " 2>&1 & echo $!";
-  FILE* p = ::popen(command.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  long pid = 0;
-  ASSERT_EQ(std::fscanf(p, "%ld", &pid), 1);
-  ::pclose(p);
+  const long pid = start_sweep_in_background(dir, 2);
+  ASSERT_GT(pid, 0);
   const std::string runs = dir / "out";
   std::vector<std::string> steps;
   for (int i = 0; i < 600 && steps.empty(); ++i) {
