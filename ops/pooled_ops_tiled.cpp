@@ -129,7 +129,7 @@ at::Tensor pooled_attention_importance_tiled(const at::Tensor& q, const at::Tens
   c10::NoGradGuard no_grad;
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), G = Hq / Hkv, T = q.size(2), D = q.size(3);
   const auto options = q.options().dtype(compute_type(q));
-  const at::Tensor q_grouped = q.to(options.dtype()).view({B, Hkv, G, T, D});
+  const at::Tensor q_grouped = q.to(options.dtype()).reshape({B, Hkv, G, T, D});
   const at::Tensor k_t = k.to(options.dtype()).transpose(-2, -1).unsqueeze(2);  // [B, Hkv, 1, D, T]
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   RunningPool pooled(mode, {B, Hkv, G, T}, options);
@@ -161,8 +161,8 @@ std::tuple<at::Tensor, at::Tensor> pooled_index_score_tiled_fwd(const at::Tensor
   TORCH_CHECK(T <= std::numeric_limits<int32_t>::max(), "kvbound::pooled_index_score: T = ", T,
               " does not fit the int32 argmax");
   const auto options = qI.options().dtype(compute_type(qI));
-  const at::Tensor q_grouped = qI.to(options.dtype()).view({B, Hk, G, T, d});
-  const at::Tensor w_grouped = w.to(options.dtype()).view({B, Hk, G, T});
+  const at::Tensor q_grouped = qI.to(options.dtype()).reshape({B, Hk, G, T, d});
+  const at::Tensor w_grouped = w.to(options.dtype()).reshape({B, Hk, G, T});
   const at::Tensor q_effective = relu ? at::Tensor() : (q_grouped * w_grouped.unsqueeze(-1)).sum(2);
   const at::Tensor k_t = kI.to(options.dtype()).transpose(-2, -1);  // [B, Hk, d, T]
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -193,8 +193,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pooled_index_score_tiled_bwd(
   c10::NoGradGuard no_grad;
   const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), G = Hq / Hk, T = qI.size(2), d = qI.size(3);
   const auto options = qI.options().dtype(compute_type(qI));
-  const at::Tensor q_grouped = qI.to(options.dtype()).view({B, Hk, G, T, d});
-  const at::Tensor w_grouped = w.to(options.dtype()).view({B, Hk, G, T});
+  const at::Tensor q_grouped = qI.to(options.dtype()).reshape({B, Hk, G, T, d});
+  const at::Tensor w_grouped = w.to(options.dtype()).reshape({B, Hk, G, T});
   const at::Tensor q_effective = relu ? at::Tensor() : (q_grouped * w_grouped.unsqueeze(-1)).sum(2);
   const at::Tensor k = kI.to(options.dtype());
   const at::Tensor k_t = k.transpose(-2, -1);

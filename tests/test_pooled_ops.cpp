@@ -484,6 +484,24 @@ TEST(PooledOpsTiled, IndexScoreMatchesReference) {
   }
 }
 
+// Inputs as the model hands them over: heads transposed out of [B, T, H, D] (not contiguous).
+TEST(PooledOpsTiled, TakesStridedInputs) {
+  at::manual_seed(15);
+  const int64_t T = 40;
+  const at::Tensor q = at::randn({2, T, 4, 16}).transpose(1, 2), k = at::randn({2, T, 2, 16}).transpose(1, 2);
+  const at::Tensor w = at::sigmoid(at::randn({2, T, 4})).transpose(1, 2);
+  ASSERT_FALSE(q.is_contiguous());
+  for (const PoolMode pool : kPools) {
+    const auto p = static_cast<int64_t>(pool);
+    expect_close(ops::pooled_attention_importance_tiled(q, k, p, 0, 2, 7, 64),
+                 ops::pooled_attention_importance_reference(q, k, pool, 0, 2), 1e-5, name_of(pool));
+    auto [z, argmax] = ops::pooled_index_score_tiled_fwd(q, k, w, p, 0, 2, true, 7, 64);
+    const at::Tensor valid = ops::pooled_valid_keys(T, 0, 2);
+    expect_close(z, ops::pooled_index_score_reference(q, k, w, pool, 0, 2, true), 1e-5, name_of(pool),
+                 valid.expand_as(z));
+  }
+}
+
 // Memory in units of one tile, [B, Hq, rows, T] floats (1/32 of the T×T scores here, 1/256 from T = 16K on): the
 // teacher holds one tile and its masks, the student's relu backward P, relu(P)·g and a transposed copy.
 TEST(PooledOpsTiled, TileMemoryIsAFewTiles) {
