@@ -291,7 +291,7 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
   double widest_label = 0.0;
   for (const std::string& label : legend_labels) widest_label = std::max(widest_label, canvas.text_width(label));
   const double legend_sample = 34.0;
-  const double legend_width = std::clamp(widest_label + legend_sample + 22.0, 120.0, 230.0);
+  const double legend_width = std::clamp(widest_label + legend_sample + 22.0, 120.0, 0.4 * kWidth);
 
   canvas.font(12.0);
   double widest_tick = 0.0;

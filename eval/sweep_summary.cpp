@@ -170,9 +170,11 @@ std::vector<std::string> write_sweep_plots(const SweepSummary& s, const std::str
       for (const SweepSummaryRow& r : s.rows) {
         const auto it = r.metrics.find(s.metric);
         if (r.budget != budget || it == r.metrics.end()) continue;
+        // "<policy> <key>=<value> ...", each key by its last dotted part (the legend has little room).
         std::string name = r.policy;
         for (std::size_t j = 0; j < s.keys.size(); ++j)
-          if (j != k) name += " " + s.keys[j] + "=" + s.points[r.point].values[j].second;
+          if (j != k)
+            name += " " + s.keys[j].substr(s.keys[j].rfind('.') + 1) + "=" + s.points[r.point].values[j].second;
         if (!index.count(name)) {
           index[name] = series.size();
           series.push_back({name, std::vector<double>(key_values.size(), std::nan(""))});
