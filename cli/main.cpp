@@ -22,7 +22,7 @@ struct Subcommand {
 const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> all = {
       {"info", "print a model's architecture, sizes, dtypes and parameter count", cmd_info},
-      {"generate", "continue a prompt with the frozen backbone", cmd_generate},
+      {"generate", "continue a prompt with the frozen backbone (or sample many prompts into JSON lines)", cmd_generate},
       {"prepare", "tokenize text/jsonl files into an HDF5 token dataset", cmd_prepare},
       {"train", "train a learned method (TRIM-KV gates, IndexMem indexer, latent memory, joint) on the frozen backbone", cmd_train},
       {"export", "write a run's trained weights (gates, indexer, memory) as one safetensors file", cmd_export},
