@@ -37,6 +37,7 @@ SweepSettings sweep_settings(const Config& c) {
     else fail("config", "eval.tasks", "unknown task '" + task + "' (continuation, retrieval)");
   }
   s.text_path = c.get_string("eval.text");
+  s.text_part = text_part(c, "eval.text_part");
   s.context_len = c.get_int("eval.context_len");
   s.num_windows = c.get_int("eval.num_windows");
   if (s.num_windows < 1) fail("config", "eval.num_windows", "must be >= 1");

@@ -80,8 +80,9 @@ PeriodicEvalSettings periodic_eval(const Config& c, const Backbone& model, const
   const std::int64_t windows = c.get_int("train.eval_windows");
   if (windows < 1) fail("config", "train.eval_windows", "must be >= 1");
   const at::NoGradGuard no_grad;
-  for (const auto& w : TextWindows(text).sample(tokenizer, windows, c.get_int("train.eval_context_len"),
-                                                static_cast<std::uint64_t>(c.get_int("train.seed"))))
+  const TextWindows held_out(text, text_part(c, "data.eval_text_part"), "data.eval_text_part");
+  for (const auto& w : held_out.sample(tokenizer, windows, c.get_int("train.eval_context_len"),
+                                       static_cast<std::uint64_t>(c.get_int("train.seed"))))
     e.references.push_back(continuation_reference(model, w, e.continuation));
   return e;
 }

@@ -1,6 +1,7 @@
 #include "cli/command_schemas.h"
 
 #include "base/build_options.h"
+#include "base/errors.h"
 #include "cli/model_setup.h"
 #include "modules/policies/registry.h"
 #include "train/method_registry.h"
@@ -22,6 +23,8 @@ ConfigSchema train_schema() {
   add_model_keys(s);
   s.add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
+      .add("data.eval_text_part", ConfigType::FloatList, "[0.0, 1.0]",
+           "[from, to): the share of data.eval_text's paragraphs the periodic eval (and so --best) uses")
       .add("train.method", ConfigType::String, "trimkv", "what to train: " + method_list())
       .add("train.init_from", ConfigType::String, "\"\"",
            "a later stage's start: the earlier stage's run folder (its best.safetensors, else latest checkpoint) or export")
@@ -56,6 +59,8 @@ ConfigSchema eval_schema() {
   ConfigSchema s;
   add_model_keys(s);
   s.add_required("eval.text", ConfigType::String, "held-out plain text file (windows and retrieval filler)")
+      .add("eval.text_part", ConfigType::FloatList, "[0.0, 1.0]",
+           "[from, to): the share of eval.text's paragraphs used (e.g. [0.25, 1.0] when [0, 0.25) selects checkpoints)")
       .add("eval.policies", ConfigType::StringList,
            "[full, random, streaming_llm, h2o, snapkv, tova, knorm, keydiff]",
            "eviction policies to compare (any registered policy, or POLICY+mem)")
@@ -75,6 +80,12 @@ ConfigSchema eval_schema() {
   declare_policy_keys(s);
   declare_method_eval_keys(s);  // the files that hold the learned policies' weights
   return s;
+}
+
+TextPart text_part(const Config& config, const std::string& key) {
+  const std::vector<double> bounds = config.get_float_list(key);
+  if (bounds.size() != 2) fail("config", key, "needs two fractions [from, to), got " + std::to_string(bounds.size()));
+  return {bounds[0], bounds[1]};
 }
 
 }  // namespace kvbound

@@ -10,7 +10,9 @@
 
 namespace kvbound {
 
-TextWindows::TextWindows(const std::string& path) : path_(path) {
+TextWindows::TextWindows(const std::string& path, const TextPart& part, const std::string& part_key) : path_(path) {
+  if (!(part.from >= 0 && part.from < part.to && part.to <= 1))
+    fail(path, part_key, "[" + std::to_string(part.from) + ", " + std::to_string(part.to) + "] must satisfy 0 <= from < to <= 1");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, "", "cannot open text file");
   std::stringstream ss;
@@ -32,6 +34,10 @@ TextWindows::TextWindows(const std::string& path) : path_(path) {
   }
   if (!current.empty()) paragraphs_.push_back(std::move(current));
   if (paragraphs_.empty()) fail(path, "", "no text");
+  const auto n = static_cast<double>(paragraphs_.size());
+  const auto first = static_cast<std::ptrdiff_t>(part.from * n), last = static_cast<std::ptrdiff_t>(part.to * n);
+  paragraphs_ = std::vector<std::string>(paragraphs_.begin() + first, paragraphs_.begin() + last);
+  if (paragraphs_.empty()) fail(path, part_key, "holds none of the text's " + std::to_string(static_cast<long>(n)) + " paragraphs");
 }
 
 std::string TextWindows::text_from(std::size_t first, std::int64_t tokens) const {

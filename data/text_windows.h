@@ -10,11 +10,18 @@
 
 namespace kvbound {
 
+// A contiguous share of a text's paragraphs, [from, to) as fractions of their count: one text serves as a
+// validation part (to pick checkpoints by) and a disjoint test part (to report), e.g. [0, 0.25) and [0.25, 1).
+struct TextPart {
+  double from = 0.0, to = 1.0;
+};
+
 class TextWindows {
  public:
   // Reads `path` (UTF-8 text); blank-line paragraph breaks become single newlines, as in the reference
-  // protocol. Throws kvbound::Error naming the file when it is missing or has no paragraphs.
-  explicit TextWindows(const std::string& path);
+  // protocol; keeps the paragraphs of `part` only, so no window reaches outside it. Throws kvbound::Error
+  // naming the file (and `part_key` for a bad or empty part) when it is missing or has no paragraphs there.
+  explicit TextWindows(const std::string& path, const TextPart& part = {}, const std::string& part_key = "text part");
 
   // `count` windows of exactly `length` token ids (BOS first), starting at distinct random paragraphs.
   // Throws when the text cannot supply them.

@@ -39,7 +39,7 @@ std::unique_ptr<EvictionPolicy> fresh(const Run& run, std::uint64_t seed, std::u
 
 EvalResults run_budget_sweep(const Backbone& model, const Tokenizer& tokenizer, const SweepSettings& s) {
   const std::vector<Run> runs = runs_of(s);
-  const TextWindows text(s.text_path);
+  const TextWindows text(s.text_path, s.text_part, "eval.text_part");
   std::vector<std::vector<std::int64_t>> windows;
   if (s.run_continuation) windows = text.sample(tokenizer, s.num_windows, s.context_len, s.seed);
   std::vector<RetrievalCase> cases;

@@ -20,6 +20,7 @@ struct SweepSettings {
   bool run_continuation = true;
   bool run_retrieval = true;
   std::string text_path;           // real text: windows for continuation, filler for retrieval
+  TextPart text_part;              // the share of its paragraphs used (eval.text_part)
   std::int64_t context_len = 256;  // continuation window length in tokens (BOS included)
   std::int64_t num_windows = 8;
   std::uint64_t seed = 0;
