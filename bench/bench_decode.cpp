@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "cli/model_setup.h"
 #include "modules/backbone.h"
 #include "ops/cuda_module.h"
 #include "ops/device.h"
@@ -38,7 +39,7 @@ int main(int argc, char** argv) {
   const long batch = argc > 9 ? std::stol(argv[9]) : 1;
   const std::string dtype_name = argc > 10 ? argv[10] : "float32";
   const c10::Device device = kvbound::resolve_device(device_name, "bench_decode device");
-  const at::ScalarType dtype = dtype_name == "bfloat16" ? at::kBFloat16 : dtype_name == "float16" ? at::kHalf : at::kFloat;
+  const at::ScalarType dtype = kvbound::parse_dtype(dtype_name, "bench_decode dtype");
   at::set_num_threads(threads);
   void (*barrier)() = device.is_cuda() ? reinterpret_cast<void (*)()>(kvbound::cuda_module_symbol("kvbound_cuda_synchronize"))
                                        : nullptr;

@@ -5,12 +5,9 @@
 // two warm-up updates, the clock read after a device barrier on CUDA. Any train key can be set as in
 // `kvbound train` (e.g. trimkv.gate_hidden=512). Prints one JSON line.
 // Usage: bench_train_step MODEL METHOD SEQ_LEN BATCH [steps=5] [device=cpu] [dtype=float32] [key=value ...]
-#include <ATen/Parallel.h>
 #include <ATen/ops/full_like.h>
-#include <ATen/ops/ones.h>
 #include <ATen/ops/randint.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -18,12 +15,11 @@
 #include <vector>
 
 #include "base/config.h"
-#include "base/errors.h"
 #include "cli/command_schemas.h"
+#include "cli/model_setup.h"
 #include "data/training_rows.h"
 #include "modules/backbone.h"
 #include "ops/cuda_module.h"
-#include "ops/device.h"
 #include "train/method_registry.h"
 #include "train/optimizer.h"
 
@@ -43,16 +39,14 @@ int main(int argc, char** argv) try {
                                         "train.method=" + method_name};
   for (int i = 8; i < argc; ++i) overrides.push_back(argv[i]);
   const kvbound::Config config = kvbound::Config::load(kvbound::train_schema(), "", overrides);
-  if (config.get_int("model.threads") > 0) at::set_num_threads(static_cast<int>(config.get_int("model.threads")));
-  const c10::Device device = kvbound::resolve_device(device_name, "bench_train_step device");
+  const auto model = kvbound::load_configured_backbone(config);
+  const c10::Device device = model->device();
   void (*barrier)() = device.is_cuda() ? reinterpret_cast<void (*)()>(kvbound::cuda_module_symbol("kvbound_cuda_synchronize"))
                                        : nullptr;
   const auto now = [&] {
     if (barrier) barrier();
     return Clock::now();
   };
-  const auto dtype = config.get_string("model.dtype") == "bfloat16" ? at::kBFloat16 : at::kFloat;
-  const auto model = kvbound::Backbone::load(model_path, dtype, device);
   kvbound::MethodSetup setup{config, *model, 0, {}, {}};
   auto method = kvbound::find_method(method_name).make(setup);
   std::vector<at::Tensor> params;

@@ -20,14 +20,13 @@ void apply_threads(std::int64_t threads) {
                                   : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 }
 
-// `where` names the option or config key in the error ("--dtype", "config: model.dtype").
+}  // namespace
+
 at::ScalarType parse_dtype(const std::string& value, const std::string& where) {
   if (value == "float32" || value == "fp32") return at::kFloat;
   if (value == "bfloat16" || value == "bf16") return at::kBFloat16;
   throw Error(where + ": unknown dtype '" + value + "' (float32, bfloat16)");
 }
-
-}  // namespace
 
 // $KVBOUND_MODEL_DIR, else models/ beside the build folder that holds this binary, else ./models.
 std::string default_model_path() {
@@ -66,18 +65,37 @@ void add_model_keys(ConfigSchema& s) {
       .add("model.device", ConfigType::String, "cpu", "compute device: cpu | cuda | cuda:N");
 }
 
-ConfiguredModel load_configured_model(const Config& config) {
+namespace {
+
+struct BackboneChoice {
+  at::ScalarType dtype;
+  c10::Device device;
+};
+
+// Applies model.threads and checks model.dtype and model.device, before anything is loaded.
+BackboneChoice backbone_choice(const Config& config) {
   const std::int64_t threads = config.get_int("model.threads");
   if (threads < 0) fail("config", "model.threads", "must be >= 0");
   apply_threads(threads);
-  const at::ScalarType dtype = parse_dtype(config.get_string("model.dtype"), "config: model.dtype");
-  const c10::Device device = resolve_device(config.get_string("model.device"), "config: model.device");
+  return {parse_dtype(config.get_string("model.dtype"), "config: model.dtype"),
+          resolve_device(config.get_string("model.device"), "config: model.device")};
+}
+
+}  // namespace
+
+std::unique_ptr<Backbone> load_configured_backbone(const Config& config) {
+  const BackboneChoice choice = backbone_choice(config);
+  return Backbone::load(config.get_string("model.path"), choice.dtype, choice.device);
+}
+
+ConfiguredModel load_configured_model(const Config& config) {
+  const BackboneChoice choice = backbone_choice(config);
   ConfiguredModel m;
   m.model_path = config.get_string("model.path");
   m.tokenizer_path = config.get_string("model.tokenizer").empty() ? find_tokenizer_beside(m.model_path)
                                                                   : config.get_string("model.tokenizer");
   m.tokenizer = load_tokenizer(m.tokenizer_path);
-  m.model = Backbone::load(m.model_path, dtype, device);
+  m.model = Backbone::load(m.model_path, choice.dtype, choice.device);
   return m;
 }
 

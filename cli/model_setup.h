@@ -32,5 +32,11 @@ struct ConfiguredModel {
 // one beside the weights) and the backbone in model.dtype on model.device (resolved once: a CUDA device
 // this machine lacks is an error). Bad values are kvbound::Error naming the key.
 ConfiguredModel load_configured_model(const Config& config);
+// The same without a tokenizer: for models that have none (the random-weight ones the GPU benches use).
+std::unique_ptr<Backbone> load_configured_backbone(const Config& config);
+
+// "float32" / "fp32" / "bfloat16" / "bf16"; kvbound::Error "WHERE: unknown dtype ..." otherwise (`where`
+// names the option or config key, e.g. "--dtype", "config: model.dtype").
+at::ScalarType parse_dtype(const std::string& value, const std::string& where);
 
 }  // namespace kvbound

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one call on the GPU machine (README "GPU"; ../shared/GPU.md says what its image holds). It
+# The GPU check: one call on the GPU machine (README "GPU" says what its image holds and lacks). It
 # builds kvbound there against the image's PyTorch (CUDA 13) with the features the image lacks turned off
 # (ICU, cairo, protobuf, gloo headers: CMakeLists.txt KVBOUND_WITH_*), runs every CUDA test
 # (kvbound_device_tests: each kernel against its reference, and the CLI on stories260K on CUDA against the CPU in

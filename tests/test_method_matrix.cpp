@@ -20,10 +20,7 @@
 namespace kvbound {
 namespace {
 
-// Small sizes for every method's section, so any method trains in seconds.
-constexpr const char* kTinySections =
-    "trimkv:\n  budget: 8\n  gate_hidden: 16\nindexmem:\n  d_index: 8\n  window: 8\n"
-    "memory:\n  dim: 8\n  budgets: [8, 12]\n  chunk: 4\n";
+using test::kTinySections;
 
 class EveryMethod : public ::testing::TestWithParam<std::string> {};
 

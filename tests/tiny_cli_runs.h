@@ -21,6 +21,11 @@ inline TinyCli stories260k_cli() {
           asset("text/tinystories_valid_first794KB_hf.txt")};
 }
 
+// Small sizes for every method's section (YAML to append to a train config), so any method trains in seconds.
+constexpr const char* kTinySections =
+    "trimkv:\n  budget: 8\n  gate_hidden: 16\nindexmem:\n  d_index: 8\n  window: 8\n"
+    "memory:\n  dim: 8\n  budgets: [8, 12]\n  chunk: 4\n";
+
 // A train config: stories260K, one thread, rows of 32 tokens, 2 per update, warm-up 1, no periodic eval;
 // `train_keys` are more lines under `train:` (e.g. "  steps: 3\n"), `sections` more top-level YAML.
 inline std::string tiny_train_yaml(const TinyCli& c, const std::string& train_keys, const std::string& sections) {
