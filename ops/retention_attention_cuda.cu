@@ -1,5 +1,6 @@
-// CUDA kernels of kvbound::retention_attention (ops/retention_attention.h), FlashAttention-2 in its simplest
-// form: a block of kRows warps owns kRows rows, each warp one row; the other side of the T×T pattern
+// CUDA kernels of kvbound::retention_attention (ops/retention_attention.h). bf16/fp16 inputs with head dim 64
+// or 128 go to the tensor-core kernels (ops/retention_attention_mma.cu); the rest (fp32, other head dims,
+// unaligned data) run the kernels below, FlashAttention-2 in its simplest SIMT form: a block of kRows warps owns kRows rows, each warp one row; the other side of the T×T pattern
 // streams through shared memory kTile = 32 rows at a time, one per lane. A lane computes its row pair's
 // logit q_t·k_i/√D + (t−i)·log β_i (a D-long dot product from shared memory, rows padded to D+1 floats so
 // the 32 lanes hit 32 banks), warp shuffles broadcast the 32 probabilities, and each lane accumulates the
@@ -20,7 +21,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "ops/retention_attention_mma.h"
+
 #include <cmath>
+#include <cstdint>
 #include <tuple>
 #include <type_traits>
 
@@ -301,6 +305,7 @@ std::tuple<at::Tensor, at::Tensor> retention_attention_fwd_cuda(const at::Tensor
   check_cuda_inputs(q, k, v, log_beta);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = log_beta.contiguous();
+  if (mma::takes(qc, kc, vc, bc)) return mma::forward(qc, kc, vc, bc);
   at::Tensor out = at::empty_like(qc);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
@@ -331,6 +336,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retention_attention_b
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = log_beta.contiguous();
   const at::Tensor grad = grad_out.to(q.scalar_type()).contiguous();
+  if (mma::takes(qc, kc, vc, bc) && (grad.numel() == 0 || reinterpret_cast<std::uintptr_t>(grad.const_data_ptr()) % 16 == 0))
+    return mma::backward(grad, qc, kc, vc, bc, out, lse);
   const at::Tensor lse_f = lse.to(at::kFloat).contiguous();
   at::Tensor grad_q = at::empty_like(qc), grad_k = at::empty_like(kc), grad_v = at::empty_like(vc);
   at::Tensor grad_log_beta = at::empty_like(bc);

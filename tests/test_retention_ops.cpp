@@ -4,6 +4,7 @@
 // allocator. The CUDA kernels against the same references (skipped without a device).
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/log_sigmoid.h>
 #include <ATen/ops/randn.h>
@@ -282,14 +283,42 @@ TEST(RetentionAttention, BlockedPathNeverAllocatesTimesSquared) {
   EXPECT_LT(count.peak_bytes(), B * Hkv * T * T * 4 / 20) << "retention_sum peak " << count.peak_bytes() << " bytes";
 }
 
+// Every output element of the backward has one writer with a fixed summation order: two runs agree bit for
+// bit (d log β included), on the tensor-core and the SIMT path.
+TEST(RetentionAttentionCuda, BackwardIsDeterministic) {
+  std::string why;
+  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(11);
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    const AttentionInputs in = detached_copy(random_inputs(2, 8, 2, 517, 128, at::kFloat), dtype, at::kCUDA);
+    const at::Tensor weight = at::randn({2, 8, 517, 128});
+    auto run = [&] {
+      return value_and_grads(in, weight, [](const AttentionInputs& x) {
+        return ops::retention_attention(x.q, x.k, x.v, x.log_beta);
+      });
+    };
+    const ValueAndGrads first = run(), second = run();
+    EXPECT_TRUE(at::equal(first.out, second.out)) << dtype;
+    for (int g = 0; g < 4; ++g) EXPECT_TRUE(at::equal(first.grads[g], second.grads[g])) << dtype << ": " << kGradNames[g];
+  }
+}
+
 TEST(RetentionAttentionCuda, MatchesReference) {
   std::string why;
   if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(10);
-  // D = 200 exercises 8 dims per lane, a partial last lane group and more than 48 KiB of shared memory.
-  for (const Shape& s : std::vector<Shape>{
-           {2, 4, 2, 1, 64}, {2, 4, 2, 37, 64}, {1, 6, 2, 300, 128}, {1, 2, 2, 130, 200}, {1, 3, 1, 77, 24}}) {
+  // bf16/fp16 with D = 64 or 128 run the tensor-core kernels (T = 1, one partial tile, several tiles with a
+  // partial last one, GQA groups 1–4); fp32 and D = 200 / 24 the SIMT kernels (D = 200: 8 dims per lane, a
+  // partial last lane group and more than 48 KiB of shared memory).
+  for (const Shape& s : std::vector<Shape>{{2, 4, 2, 1, 64},
+                                           {2, 4, 2, 37, 64},
+                                           {1, 8, 2, 333, 64},
+                                           {1, 6, 2, 300, 128},
+                                           {1, 2, 2, 129, 128},
+                                           {1, 2, 2, 130, 200},
+                                           {1, 3, 1, 77, 24}}) {
     const AttentionInputs exact_in = random_inputs(s.B, s.Hq, s.Hkv, s.T, s.D, at::kDouble);
     const at::Tensor weight = at::randn({s.B, s.Hq, s.T, s.D}, at::kDouble);
     const auto exact = value_and_grads(exact_in, weight, [](const AttentionInputs& x) {

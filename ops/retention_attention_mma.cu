@@ -1,0 +1,579 @@
+// kvbound::retention_attention on tensor cores, FlashAttention-2 style, for bf16/fp16 inputs with head dim
+// 64 or 128 (ops/retention_attention_mma.h; the fp32 SIMT kernels of retention_attention_cuda.cu take the
+// rest). Every product is mma.sync m16n8k16 with fp32 accumulation (sm_80+); operands come from shared
+// memory through ldmatrix, tiles arrive by cp.async one tile ahead of the one being used.
+//
+// A block has 4 warps; a warp owns 16 rows (queries, or keys in the dK/dV kernel) and streams the other side
+// in tiles of 64 rows. The logit q_t·k_i/√D + (t−i)·log β_i is formed in fp32 registers from the mma result;
+// P and dS are rounded to the input dtype only as operands of the next mma (as FlashAttention does).
+//   forward  (rows = queries): S = QKᵀ, online softmax, O += P V; saves lse_t = m_t + log l_t.
+//   dQ       (rows = queries): dP = dO Vᵀ, dS = P∘(dP − Δ), dQ += dS K.
+//   dK, dV, d log β (rows = keys of one KV head, walking its group's query heads):
+//            Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q, d log β_i += Σ_t dSᵀ[i,t]·(t−i).
+// Every output element has one writer and a fixed summation order: no atomics, deterministic.
+//
+// Fragment layouts (PTX ISA, "mma.m16n8k16", g = lane/4, c = lane%4): A (16×16, row-major) a0 = A[g][2c..2c+1],
+// a1 = A[g+8][2c..], a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]; B (16×8) b0 = B[2c..2c+1][g], b1 = B[2c+8..][g];
+// C (16×8) c0,c1 = C[g][2c..2c+1], c2,c3 = C[g+8][2c..2c+1]. A C fragment pair (columns 16k..16k+15) is
+// therefore an A fragment of the next product without any data movement.
+#include "ops/retention_attention_mma.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sum.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace kvbound::ops::mma {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBlockRows = 16 * kWarps;  // rows a block owns
+constexpr int kTile = 64;                // rows of the streamed side per shared tile
+constexpr int64_t kMaxRowBlocks = 65535;  // gridDim.y limit
+
+// The two input dtypes: conversion to fp32, packing two fp32 into one operand register, and the mma.
+template <typename scalar_t>
+struct Dtype;
+
+template <>
+struct Dtype<c10::BFloat16> {
+  __device__ static float to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+  __device__ static uint16_t from_float(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+  __device__ static uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Dtype<c10::Half> {
+  __device__ static float to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+  __device__ static uint16_t from_float(float x) { return __half_as_ushort(__float2half_rn(x)); }
+  __device__ static uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// Four 8×8 matrices; lane l gives the address of row l%8 of matrix l/8.
+__device__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+__device__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// 16 bytes global → shared; src_bytes = 0 writes zeros (rows past T).
+__device__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(src_bytes)
+               : "memory");
+}
+__device__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Shared tiles hold rows of D elements with a pitch of D + 8: the 8 row addresses of an ldmatrix phase then
+// fall on 8 distinct 16-byte bank groups (pitch 4 words mod 32 for D = 64 and 128).
+template <int D>
+constexpr int pitch() {
+  return D + 8;
+}
+
+// Rows first .. first+kRowsIn−1 of a [T, D] matrix into a shared tile, asynchronously; rows past T read as 0.
+template <int D, int kRowsIn>
+__device__ void load_tile_async(uint16_t* dst, const uint16_t* src, int64_t first, int64_t T) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  for (int idx = threadIdx.x; idx < kRowsIn * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const int64_t t = first + r;
+    const bool inside = t < T;
+    cp_async_16(dst + r * pitch<D>() + c, src + (inside ? t * D + c : 0), inside ? 16 : 0);
+  }
+}
+
+// Entry first + threadIdx.x of a length-T vector (of dtype scalar_t, or fp32) as fp32, 0 past T. The tile
+// vectors (log β, lse, Δ) are read into a register when their tile is issued and written to shared memory
+// after the current tile's products, so the load's latency hides behind the mma work.
+template <typename scalar_t>
+__device__ float vector_entry(const uint16_t* src, int64_t first, int64_t T) {
+  const int64_t i = first + threadIdx.x % kTile;
+  return i < T ? Dtype<scalar_t>::to_float(src[i]) : 0.f;
+}
+__device__ float vector_entry(const float* src, int64_t first, int64_t T) {
+  const int64_t i = first + threadIdx.x % kTile;
+  return i < T ? src[i] : 0.f;
+}
+
+// A fragments of 16 rows (row0 .. row0+15) of a [T, D] global matrix, straight into registers; rows past T
+// are 0. Loaded once per warp, so no shared staging.
+template <int D>
+__device__ void load_row_fragments(uint32_t (&f)[D / 16][4], const uint16_t* src, int64_t row0, int64_t T) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const int64_t lo = row0 + g, hi = lo + 8;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    const int col = 16 * kc + 2 * c;
+    f[kc][0] = lo < T ? *reinterpret_cast<const uint32_t*>(src + lo * D + col) : 0u;
+    f[kc][1] = hi < T ? *reinterpret_cast<const uint32_t*>(src + hi * D + col) : 0u;
+    f[kc][2] = lo < T ? *reinterpret_cast<const uint32_t*>(src + lo * D + col + 8) : 0u;
+    f[kc][3] = hi < T ? *reinterpret_cast<const uint32_t*>(src + hi * D + col + 8) : 0u;
+  }
+}
+
+// acc[j] += A · Bᵀ-tile j, for the 8 column blocks j of a [64, D] shared tile used as B = tileᵀ (the tile's rows
+// are the product's columns: S = Q Kᵀ with the tile = K). A: D/16 register fragments.
+template <typename scalar_t, int D>
+__device__ void mma_rows_by_tile_rows(float (&acc)[kTile / 8][4], const uint32_t (&a)[D / 16][4], const uint16_t* tile) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kTile / 8; ++j) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc += 2) {
+      uint32_t b[4];  // b0, b1 of column chunk kc, then of kc + 1
+      ldmatrix_x4(b, tile + (8 * j + (lane & 7)) * pitch<D>() + 16 * kc + 8 * (lane >> 3));
+      Dtype<scalar_t>::mma(acc[j], a[kc], b[0], b[1]);
+      Dtype<scalar_t>::mma(acc[j], a[kc + 1], b[2], b[3]);
+    }
+  }
+}
+
+// The same with A from shared memory too: 16 rows (row0 ..) of a [64, D] shared tile.
+template <typename scalar_t, int D>
+__device__ void mma_shared_rows_by_tile_rows(float (&acc)[kTile / 8][4], const uint16_t* rows, int row0,
+                                             const uint16_t* tile) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; kc += 2) {
+    uint32_t a0[4], a1[4];  // column chunks kc, kc + 1; matrices: rows 0–7 / 8–15 × columns +0 / +8
+    const uint16_t* a_row = rows + (row0 + 8 * ((lane >> 3) & 1) + (lane & 7)) * pitch<D>() + 8 * (lane >> 4);
+    ldmatrix_x4(a0, a_row + 16 * kc);
+    ldmatrix_x4(a1, a_row + 16 * (kc + 1));
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j) {
+      uint32_t b[4];  // b0, b1 of column chunk kc, then of kc + 1
+      ldmatrix_x4(b, tile + (8 * j + (lane & 7)) * pitch<D>() + 16 * kc + 8 * (lane >> 3));
+      Dtype<scalar_t>::mma(acc[j], a0, b[0], b[1]);
+      Dtype<scalar_t>::mma(acc[j], a1, b[2], b[3]);
+    }
+  }
+}
+
+// acc[n] += P · tile for the D/8 column blocks n: P = 16 × 64 fp32 values in C-fragment layout (p[j] = its
+// columns 8j..8j+7), rounded to the input dtype; tile = [64, D] shared (its rows are the product's k index).
+template <typename scalar_t, int D>
+__device__ void mma_fragments_by_tile(float (&acc)[D / 8][4], const float (&p)[kTile / 8][4], const uint16_t* tile) {
+  using T = Dtype<scalar_t>;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int kc = 0; kc < kTile / 16; ++kc) {
+    const uint32_t a[4] = {T::pack(p[2 * kc][0], p[2 * kc][1]), T::pack(p[2 * kc][2], p[2 * kc][3]),
+                           T::pack(p[2 * kc + 1][0], p[2 * kc + 1][1]), T::pack(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t b[4];  // b0, b1 of column block n, then of n + 1
+      ldmatrix_x4_trans(b, tile + (16 * kc + 8 * ((lane >> 3) & 1) + (lane & 7)) * pitch<D>() + 8 * (n + (lane >> 4)));
+      T::mma(acc[n], a, b[0], b[1]);
+      T::mma(acc[n + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+__device__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Rows row0 + g and row0 + g + 8 of a [T, D] output from C fragments (scaled), skipping rows past T.
+template <typename scalar_t, int D>
+__device__ void store_rows(uint16_t* dst, const float (&acc)[D / 8][4], int64_t row0, int64_t T, float scale_lo,
+                           float scale_hi) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const int64_t lo = row0 + g, hi = lo + 8;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int col = 8 * n + 2 * c;
+    if (lo < T)
+      *reinterpret_cast<uint32_t*>(dst + lo * D + col) = Dtype<scalar_t>::pack(acc[n][0] * scale_lo, acc[n][1] * scale_lo);
+    if (hi < T)
+      *reinterpret_cast<uint32_t*>(dst + hi * D + col) = Dtype<scalar_t>::pack(acc[n][2] * scale_hi, acc[n][3] * scale_hi);
+  }
+}
+
+// Shared memory of the query-row kernels (forward, dQ): two stages of K and V tiles and of log β.
+template <int D>
+constexpr size_t query_rows_smem() {
+  return 2 * (2 * kTile * pitch<D>() * sizeof(uint16_t) + kTile * sizeof(float));
+}
+// dK/dV: the block's own K and V rows, and two stages of Q, dO, lse and Δ tiles.
+template <int D>
+constexpr size_t key_rows_smem() {
+  return 2 * kBlockRows * pitch<D>() * sizeof(uint16_t) + 2 * (2 * kTile * pitch<D>() * sizeof(uint16_t) + 2 * kTile * sizeof(float));
+}
+
+// Grid: x = query row b·Hq + h (KV row (b·Hq + h)/group), y = block of 64 queries. kGrad = false: forward
+// (writes out, lse_out); true: dQ (reads grad_out, lse_in, Δ; writes grad_q into `out`).
+template <typename scalar_t, int D, bool kGrad>
+__global__ void __launch_bounds__(kThreads)
+    query_rows_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
+                      const uint16_t* __restrict__ log_beta, const uint16_t* __restrict__ grad_out,
+                      const float* __restrict__ lse_in, const float* __restrict__ delta, uint16_t* __restrict__ out,
+                      float* __restrict__ lse_out, int64_t T, int group, float scale) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* kv_s = reinterpret_cast<uint16_t*>(smem_raw);  // [stage][K | V][kTile][pitch]
+  float* beta_s = reinterpret_cast<float*>(kv_s + 2 * 2 * kTile * pitch<D>());  // [stage][kTile]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const int64_t row = blockIdx.x, kv_row = row / group;
+  // The last query blocks have the most keys: they start first, the short ones fill in behind them.
+  const int64_t block_q0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kBlockRows, q0 = block_q0 + 16 * warp;
+  const int64_t t_lo = q0 + g, t_hi = t_lo + 8;
+  const int64_t last = min(block_q0 + kBlockRows, T) - 1;  // later keys are masked for every row of the block
+  const uint16_t* k_head = k + kv_row * T * D;
+  const uint16_t* v_head = v + kv_row * T * D;
+  const uint16_t* beta_head = log_beta + kv_row * T;
+
+  uint32_t qf[D / 16][4];
+  load_row_fragments<D>(qf, q + row * T * D, q0, T);
+  uint32_t dof[kGrad ? D / 16 : 1][4];
+  float lse_lo = 0.f, lse_hi = 0.f, delta_lo = 0.f, delta_hi = 0.f;
+  if constexpr (kGrad) {
+    load_row_fragments<D>(dof, grad_out + row * T * D, q0, T);
+    if (t_lo < T) lse_lo = lse_in[row * T + t_lo], delta_lo = delta[row * T + t_lo];
+    if (t_hi < T) lse_hi = lse_in[row * T + t_hi], delta_hi = delta[row * T + t_hi];
+  }
+  float acc[D / 8][4] = {};
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+
+  const int tiles = static_cast<int>(last / kTile) + 1;
+  float beta_next = 0.f;  // threads 0..kTile−1: log β of the issued tile
+  auto issue = [&](int n) {
+    uint16_t* stage = kv_s + (n & 1) * 2 * kTile * pitch<D>();
+    load_tile_async<D, kTile>(stage, k_head, static_cast<int64_t>(n) * kTile, T);
+    load_tile_async<D, kTile>(stage + kTile * pitch<D>(), v_head, static_cast<int64_t>(n) * kTile, T);
+    cp_async_commit();
+    if (threadIdx.x < kTile) beta_next = vector_entry<scalar_t>(beta_head, static_cast<int64_t>(n) * kTile, T);
+  };
+  // Stage n & 1's last readers were in iteration n − 2, which a barrier closed.
+  auto stage_vectors = [&](int n) {
+    if (threadIdx.x < kTile) beta_s[(n & 1) * kTile + threadIdx.x] = beta_next;
+  };
+  issue(0);
+  stage_vectors(0);
+  for (int n = 0; n < tiles; ++n) {
+    if (n + 1 < tiles) {
+      issue(n + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // tile n (and its log β) is visible to every warp
+    const int64_t s0 = static_cast<int64_t>(n) * kTile;
+    const uint16_t* k_s = kv_s + (n & 1) * 2 * kTile * pitch<D>();
+    const uint16_t* v_s = k_s + kTile * pitch<D>();
+    const float* b_s = beta_s + (n & 1) * kTile;
+    if (q0 < T && s0 <= q0 + 15) {  // warp-uniform: some row of the warp sees some key of the tile
+      // Ages t − i = (t − s0) − col in 32 bits; a row past T sees nothing.
+      const int age_lo = t_lo < T ? static_cast<int>(t_lo - s0) : -kTile;
+      const int age_hi = t_hi < T ? static_cast<int>(t_hi - s0) : -kTile;
+      float s[kTile / 8][4] = {};
+      mma_rows_by_tile_rows<scalar_t, D>(s, qf, k_s);
+      float dp[kGrad ? kTile / 8 : 1][4] = {};
+      if constexpr (kGrad) mma_rows_by_tile_rows<scalar_t, D>(dp, dof, v_s);
+      float tile_max_lo = -INFINITY, tile_max_hi = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * c + (e & 1);
+          const int age = (e < 2 ? age_lo : age_hi) - col;
+          const float logit = age >= 0 ? s[j][e] * scale + static_cast<float>(age) * b_s[col] : -INFINITY;
+          if constexpr (kGrad) {
+            const float p = age >= 0 ? __expf(logit - (e < 2 ? lse_lo : lse_hi)) : 0.f;
+            s[j][e] = p * (dp[j][e] - (e < 2 ? delta_lo : delta_hi));  // dS
+          } else {
+            s[j][e] = logit;
+            if (e < 2)
+              tile_max_lo = fmaxf(tile_max_lo, logit);
+            else
+              tile_max_hi = fmaxf(tile_max_hi, logit);
+          }
+        }
+      }
+      if constexpr (kGrad) {
+        mma_fragments_by_tile<scalar_t, D>(acc, s, k_s);  // dQ += dS K
+      } else {
+        // A row with no visible key so far keeps m = −inf; its rescale and probabilities are then 0.
+        const float new_lo = fmaxf(m_lo, quad_max(tile_max_lo)), new_hi = fmaxf(m_hi, quad_max(tile_max_hi));
+        const float base_lo = new_lo == -INFINITY ? 0.f : new_lo, base_hi = new_hi == -INFINITY ? 0.f : new_hi;
+        const float rescale_lo = __expf(m_lo - base_lo), rescale_hi = __expf(m_hi - base_hi);
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int j = 0; j < kTile / 8; ++j) {
+          s[j][0] = __expf(s[j][0] - base_lo);
+          s[j][1] = __expf(s[j][1] - base_lo);
+          s[j][2] = __expf(s[j][2] - base_hi);
+          s[j][3] = __expf(s[j][3] - base_hi);
+          sum_lo += s[j][0] + s[j][1];
+          sum_hi += s[j][2] + s[j][3];
+        }
+        l_lo = l_lo * rescale_lo + sum_lo;  // this lane's share of the row sum; the quad adds up at the end
+        l_hi = l_hi * rescale_hi + sum_hi;
+        m_lo = new_lo;
+        m_hi = new_hi;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+          acc[d][0] *= rescale_lo;
+          acc[d][1] *= rescale_lo;
+          acc[d][2] *= rescale_hi;
+          acc[d][3] *= rescale_hi;
+        }
+        mma_fragments_by_tile<scalar_t, D>(acc, s, v_s);  // O += P V
+      }
+    }
+    if (n + 1 < tiles) stage_vectors(n + 1);
+    __syncthreads();  // every warp is done with stage n & 1 before tile n + 2 is issued into it
+  }
+  if (q0 >= T) return;
+  if constexpr (kGrad) {
+    store_rows<scalar_t, D>(out + row * T * D, acc, q0, T, scale, scale);
+  } else {
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+    store_rows<scalar_t, D>(out + row * T * D, acc, q0, T, 1.f / l_lo, 1.f / l_hi);
+    if (c == 0) {
+      if (t_lo < T) lse_out[row * T + t_lo] = m_lo + logf(l_lo);
+      if (t_hi < T) lse_out[row * T + t_hi] = m_hi + logf(l_hi);
+    }
+  }
+}
+
+// Grid: x = KV row b·Hkv + g (query rows (b·Hkv + g)·group ...), y = block of 64 keys.
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(kThreads)
+    key_rows_kernel(const uint16_t* __restrict__ grad_out, const uint16_t* __restrict__ q,
+                    const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
+                    const uint16_t* __restrict__ log_beta, const float* __restrict__ lse,
+                    const float* __restrict__ delta, uint16_t* __restrict__ grad_k, uint16_t* __restrict__ grad_v,
+                    uint16_t* __restrict__ grad_log_beta, int64_t T, int group, float scale) {
+  using Tp = Dtype<scalar_t>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);   // [kBlockRows][pitch]
+  uint16_t* v_s = k_s + kBlockRows * pitch<D>();            // [kBlockRows][pitch]
+  uint16_t* qdo_s = v_s + kBlockRows * pitch<D>();          // [stage][Q | dO][kTile][pitch]
+  float* stats_s = reinterpret_cast<float*>(qdo_s + 2 * 2 * kTile * pitch<D>());  // [stage][lse | Δ][kTile]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const int64_t kv_row = blockIdx.x;
+  const int64_t block_i0 = static_cast<int64_t>(blockIdx.y) * kBlockRows, i0 = block_i0 + 16 * warp;
+  const int64_t i_lo = i0 + g, i_hi = i_lo + 8;
+  load_tile_async<D, kBlockRows>(k_s, k + kv_row * T * D, block_i0, T);
+  load_tile_async<D, kBlockRows>(v_s, v + kv_row * T * D, block_i0, T);
+  cp_async_commit();
+  const float beta_lo = i_lo < T ? Tp::to_float(log_beta[kv_row * T + i_lo]) : 0.f;
+  const float beta_hi = i_hi < T ? Tp::to_float(log_beta[kv_row * T + i_hi]) : 0.f;
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  float dbeta_lo = 0.f, dbeta_hi = 0.f;
+
+  // Tiles n = h·per_head + u: query head kv_row·group + h, queries block_i0 + 64u .. (earlier ones see no key).
+  const int per_head = static_cast<int>((T - block_i0 + kTile - 1) / kTile);
+  const int tiles = group * per_head;
+  float stat_next = 0.f;  // threads 0..63: lse, 64..127: Δ of the issued tile
+  auto issue = [&](int n) {
+    const int64_t row = kv_row * group + n / per_head, u0 = block_i0 + static_cast<int64_t>(n % per_head) * kTile;
+    uint16_t* stage = qdo_s + (n & 1) * 2 * kTile * pitch<D>();
+    load_tile_async<D, kTile>(stage, q + row * T * D, u0, T);
+    load_tile_async<D, kTile>(stage + kTile * pitch<D>(), grad_out + row * T * D, u0, T);
+    cp_async_commit();
+    stat_next = vector_entry((threadIdx.x < kTile ? lse : delta) + row * T, u0, T);
+  };
+  // Stage n & 1's last readers were in iteration n − 2, which a barrier closed.
+  auto stage_vectors = [&](int n) { stats_s[(n & 1) * 2 * kTile + threadIdx.x] = stat_next; };
+  static_assert(kThreads == 2 * kTile, "one lse or Δ entry per thread");
+  issue(0);
+  stage_vectors(0);
+  for (int n = 0; n < tiles; ++n) {
+    if (n + 1 < tiles) {
+      issue(n + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int64_t u0 = block_i0 + static_cast<int64_t>(n % per_head) * kTile;
+    const uint16_t* q_s = qdo_s + (n & 1) * 2 * kTile * pitch<D>();
+    const uint16_t* do_s = q_s + kTile * pitch<D>();
+    const float* lse_s = stats_s + (n & 1) * 2 * kTile;
+    const float* delta_s = lse_s + kTile;
+    if (i0 < T) {  // warp-uniform
+      // Ages t − i = (u0 − i) + col in 32 bits; a key past T is seen by nothing, a query past T sees nothing.
+      const int age_lo = i_lo < T ? static_cast<int>(u0 - i_lo) : -(kTile + 16);
+      const int age_hi = i_hi < T ? static_cast<int>(u0 - i_hi) : -(kTile + 16);
+      const int queries = static_cast<int>(min(static_cast<int64_t>(kTile), T - u0));
+      float st[kTile / 8][4] = {}, dpt[kTile / 8][4] = {};
+      mma_shared_rows_by_tile_rows<scalar_t, D>(st, k_s, 16 * warp, q_s);    // Sᵀ = K Qᵀ
+      mma_shared_rows_by_tile_rows<scalar_t, D>(dpt, v_s, 16 * warp, do_s);  // dPᵀ = V dOᵀ
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * c + (e & 1);
+          const int age_int = (e < 2 ? age_lo : age_hi) + col;
+          const bool visible = age_int >= 0 && col < queries;
+          const float age = static_cast<float>(age_int);
+          const float p = visible ? __expf(st[j][e] * scale + age * (e < 2 ? beta_lo : beta_hi) - lse_s[col]) : 0.f;
+          const float ds = p * (dpt[j][e] - delta_s[col]);
+          if (e < 2)
+            dbeta_lo = fmaf(ds, age, dbeta_lo);
+          else
+            dbeta_hi = fmaf(ds, age, dbeta_hi);
+          st[j][e] = p;
+          dpt[j][e] = ds;
+        }
+      }
+      mma_fragments_by_tile<scalar_t, D>(dv, st, do_s);  // dV += Pᵀ dO
+      mma_fragments_by_tile<scalar_t, D>(dk, dpt, q_s);  // dK += dSᵀ Q
+    }
+    if (n + 1 < tiles) stage_vectors(n + 1);
+    __syncthreads();
+  }
+  if (i0 >= T) return;
+  store_rows<scalar_t, D>(grad_k + kv_row * T * D, dk, i0, T, scale, scale);
+  store_rows<scalar_t, D>(grad_v + kv_row * T * D, dv, i0, T, 1.f, 1.f);
+  dbeta_lo = quad_sum(dbeta_lo);
+  dbeta_hi = quad_sum(dbeta_hi);
+  if (c == 0) {
+    if (i_lo < T) grad_log_beta[kv_row * T + i_lo] = Tp::from_float(dbeta_lo);
+    if (i_hi < T) grad_log_beta[kv_row * T + i_hi] = Tp::from_float(dbeta_hi);
+  }
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); }
+uint16_t* mutable_bits(at::Tensor& t) { return static_cast<uint16_t*>(t.mutable_data_ptr()); }
+
+// Calls f(scalar_t{}, std::integral_constant<int, D>{}) for the input dtype and head dim.
+template <typename F>
+void dispatch(const at::Tensor& q, F&& f) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (q.size(3) == 64) {
+    if (bf16) f(c10::BFloat16{}, std::integral_constant<int, 64>{});
+    else f(c10::Half{}, std::integral_constant<int, 64>{});
+  } else {
+    if (bf16) f(c10::BFloat16{}, std::integral_constant<int, 128>{});
+    else f(c10::Half{}, std::integral_constant<int, 128>{});
+  }
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+}  // namespace
+
+bool takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_beta) {
+  const at::ScalarType dtype = q.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  if (k.scalar_type() != dtype || v.scalar_type() != dtype || log_beta.scalar_type() != dtype) return false;
+  if (q.size(3) != 64 && q.size(3) != 128) return false;
+  if ((q.size(2) + kBlockRows - 1) / kBlockRows > kMaxRowBlocks) return false;
+  for (const at::Tensor* t : {&q, &k, &v, &log_beta})
+    if (!t->is_contiguous() || !aligned16(*t)) return false;
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& log_beta) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  const int64_t T = q.size(2);
+  const int group = static_cast<int>(q.size(1) / k.size(1));
+  const dim3 grid(static_cast<unsigned>(q.size(0) * q.size(1)), static_cast<unsigned>((T + kBlockRows - 1) / kBlockRows));
+  dispatch(q, [&](auto dtype, auto dims) {
+    using scalar_t = decltype(dtype);
+    constexpr int D = decltype(dims)::value;
+    const auto kernel = query_rows_kernel<scalar_t, D, false>;
+    allow_smem(kernel, query_rows_smem<D>());
+    kernel<<<grid, kThreads, query_rows_smem<D>(), at::cuda::getCurrentCUDAStream()>>>(
+        bits(q), bits(k), bits(v), bits(log_beta), nullptr, nullptr, nullptr, mutable_bits(out),
+        lse.mutable_data_ptr<float>(), T, group, 1.f / std::sqrt(static_cast<float>(D)));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                    const at::Tensor& k, const at::Tensor& v,
+                                                                    const at::Tensor& log_beta, const at::Tensor& out,
+                                                                    const at::Tensor& lse) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor lse_f = lse.to(at::kFloat).contiguous();
+  at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
+  at::Tensor grad_log_beta = at::empty_like(log_beta);
+  if (q.numel() == 0) return {grad_q, grad_k.zero_(), grad_v.zero_(), grad_log_beta.zero_()};
+  // Δ_t = dO_t·O_t, the softmax backward's row term, in fp32: [B, Hq, T].
+  const at::Tensor delta = at::sum(at::mul(grad_out.to(at::kFloat), out.to(at::kFloat)), {-1}).contiguous();
+  const int64_t T = q.size(2);
+  const int group = static_cast<int>(q.size(1) / k.size(1));
+  const unsigned row_blocks = static_cast<unsigned>((T + kBlockRows - 1) / kBlockRows);
+  const float scale = 1.f / std::sqrt(static_cast<float>(q.size(3)));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch(q, [&](auto dtype, auto dims) {
+    using scalar_t = decltype(dtype);
+    constexpr int D = decltype(dims)::value;
+    const auto q_kernel = query_rows_kernel<scalar_t, D, true>;
+    allow_smem(q_kernel, query_rows_smem<D>());
+    q_kernel<<<dim3(static_cast<unsigned>(q.size(0) * q.size(1)), row_blocks), kThreads, query_rows_smem<D>(), stream>>>(
+        bits(q), bits(k), bits(v), bits(log_beta), bits(grad_out), lse_f.const_data_ptr<float>(),
+        delta.const_data_ptr<float>(), mutable_bits(grad_q), nullptr, T, group, scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto kv_kernel = key_rows_kernel<scalar_t, D>;
+    allow_smem(kv_kernel, key_rows_smem<D>());
+    kv_kernel<<<dim3(static_cast<unsigned>(k.size(0) * k.size(1)), row_blocks), kThreads, key_rows_smem<D>(), stream>>>(
+        bits(grad_out), bits(q), bits(k), bits(v), bits(log_beta), lse_f.const_data_ptr<float>(),
+        delta.const_data_ptr<float>(), mutable_bits(grad_k), mutable_bits(grad_v), mutable_bits(grad_log_beta), T, group,
+        scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {grad_q, grad_k, grad_v, grad_log_beta};
+}
+
+}  // namespace kvbound::ops::mma
