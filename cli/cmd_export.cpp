@@ -1,7 +1,8 @@
 // `kvbound export RUN_DIR --out PATH [--best] [--format F]`: the trained tensors of a run (its latest
 // checkpoint, or the best periodic eval with --best) without optimizer state, for serving stacks: by default
 // one safetensors file whose metadata header says what they are (method, backbone identity, budget, step,
-// config hash); other formats come from the method's registration (trimkv: the official release's folder).
+// config hash; --dtype bfloat16 halves it); other formats come from the method's registration (trimkv: the
+// official release's folder).
 // TRIM-KV tensors keep the official release's names (model.layers.{i}.self_attn.retention_gate.*).
 #include <algorithm>
 #include <cxxopts.hpp>
@@ -10,6 +11,7 @@
 #include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "cli/commands.h"
+#include "cli/model_setup.h"
 #include "train/method_registry.h"
 #include "train/run_checkpoint.h"
 
@@ -24,6 +26,8 @@ int cmd_export(int argc, char** argv) {
       "best", "export the weights of the best periodic eval (best.safetensors) instead of the latest checkpoint")(
       "format", "safetensors (one file, any method) or a method's own format (trimkv: the official release's folder)",
       cxxopts::value<std::string>()->default_value("safetensors"))(
+      "dtype", "store floating-point tensors as float32 or bfloat16 (half the size; loaders compute in float32)",
+      cxxopts::value<std::string>()->default_value("float32"))(
       "h,help", "show help");
   o.parse_positional({"run_dir"});
   o.positional_help("RUN_DIR");
@@ -36,10 +40,11 @@ int cmd_export(int argc, char** argv) {
   if (!r.count("out")) fail("kvbound export", "--out", "missing output file");
   const std::string run_dir = r["run_dir"].as<std::string>(), out = r["out"].as<std::string>();
   const std::string source = run_weights_path(run_dir, r.count("best") > 0, r.count("best") ? "--best" : "RUN_DIR");
+  const at::ScalarType dtype = parse_dtype(r["dtype"].as<std::string>(), "--dtype");
   const SafetensorsFile file = read_safetensors(source);
   std::map<std::string, at::Tensor> tensors;
   for (auto& [name, t] : file.tensors)
-    if (name.rfind("optimizer.", 0) != 0) tensors[name] = t;
+    if (name.rfind("optimizer.", 0) != 0) tensors[name] = t.is_floating_point() ? t.to(dtype) : t;
   if (tensors.empty()) fail(source, "tensors", "no trained tensors in this checkpoint");
   // The method must be registered (its loader reads the export back); the run's bookkeeping (data position,
   // the checkpoint format) stays behind, everything the method recorded passes through.
@@ -51,6 +56,7 @@ int cmd_export(int argc, char** argv) {
     if (!is_run_bookkeeping(key)) meta[key] = value;
   const std::string format = r["format"].as<std::string>();
   if (format != "safetensors") {
+    if (dtype != at::kFloat) fail("--dtype", r["dtype"].as<std::string>(), "only the safetensors format stores bfloat16");
     std::string known = "safetensors";
     for (const ExportFormat& f : registration.export_formats) {
       if (format != f.name) {

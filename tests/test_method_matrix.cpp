@@ -1,8 +1,8 @@
 // Every registered learned method through the real CLI on stories260K, driven by the method registry alone
 // (a new registration is covered without touching this file): tiny training from an earlier stage when the
 // method starts from one; the same run stopped half-way and resumed equals the uninterrupted one bit for bit;
-// the export carries the method; `kvbound eval` of the policy that serves the method, with the export under
-// every config key that takes it.
+// the export carries the method, and its bfloat16 export the same tensors rounded; `kvbound eval` of the
+// policy that serves the method, with the bfloat16 export under every config key that takes it.
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
 
@@ -56,6 +56,17 @@ TEST_P(EveryMethod, TrainsResumesBitIdenticallyExportsAndEvaluates) {
   EXPECT_EQ(exported.metadata.at("method"), GetParam());
   for (const auto& [name, t] : exported.tensors) EXPECT_EQ(name.rfind("optimizer.", 0), std::string::npos) << name;
   EXPECT_EQ(exported.metadata.count("cursor"), 0u);  // run bookkeeping stays behind
+  // --dtype bfloat16: the same tensors rounded, and the serving policy below loads that file.
+  const std::string bf16_file = dir / "export_bf16.safetensors";
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "straight") + " --dtype bfloat16 --out " + bf16_file, &out, &err), 0)
+      << err;
+  const SafetensorsFile bf16 = read_safetensors(bf16_file);
+  ASSERT_EQ(bf16.tensors.size(), exported.tensors.size());
+  for (const auto& [name, t] : exported.tensors) {
+    const at::Tensor& half = bf16.tensors.at(name);
+    if (t.is_floating_point()) EXPECT_EQ(half.scalar_type(), at::kBFloat16) << name;
+    EXPECT_TRUE(at::equal(half, t.is_floating_point() ? t.to(at::kBFloat16) : t)) << name;
+  }
 
   // The serving policy under this test's config (every key at its default, as in train.yaml).
   ConfigSchema schema;
@@ -64,7 +75,7 @@ TEST_P(EveryMethod, TrainsResumesBitIdenticallyExportsAndEvaluates) {
   const std::string policy = method.eval_policy(Config::load(schema, "", {}));
   std::string sets = "--set eval.policies=[" + policy + "]";
   ASSERT_FALSE(method.weights_keys.empty());
-  for (const std::string& key : method.weights_keys) sets += " --set " + key + "=" + file;
+  for (const std::string& key : method.weights_keys) sets += " --set " + key + "=" + bf16_file;
   std::set<std::string> policies;
   ASSERT_EQ(test::tiny_eval(cli, dir / "eval", sets, &policies, &err), 0) << err;
   EXPECT_EQ(policies, std::set<std::string>{policy});
