@@ -236,10 +236,12 @@ __device__ void store_rows(uint16_t* dst, const float (&acc)[D / 8][4], int64_t 
   }
 }
 
-// Shared memory of the query-row kernels (forward, dQ): two stages of K and V tiles and of log β.
-template <int D>
+// Shared memory of the query-row kernels: two stages of K and V tiles and of log β; dQ also holds the block's
+// Q and dO rows (as operands from shared memory they leave registers for the accumulators: no spills at D = 128).
+template <int D, bool kGrad>
 constexpr size_t query_rows_smem() {
-  return 2 * (2 * kTile * pitch<D>() * sizeof(uint16_t) + kTile * sizeof(float));
+  return 2 * (2 * kTile * pitch<D>() * sizeof(uint16_t) + kTile * sizeof(float)) +
+         (kGrad ? 2 * kBlockRows * pitch<D>() * sizeof(uint16_t) : 0);
 }
 // dK/dV: the block's own K and V rows, and two stages of Q, dO, lse and Δ tiles.
 template <int D>
@@ -258,6 +260,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   uint16_t* kv_s = reinterpret_cast<uint16_t*>(smem_raw);  // [stage][K | V][kTile][pitch]
   float* beta_s = reinterpret_cast<float*>(kv_s + 2 * 2 * kTile * pitch<D>());  // [stage][kTile]
+  uint16_t* q_rows = reinterpret_cast<uint16_t*>(beta_s + 2 * kTile);  // dQ: [Q | dO][kBlockRows][pitch]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
   const int64_t row = blockIdx.x, kv_row = row / group;
   // The last query blocks have the most keys: they start first, the short ones fill in behind them.
@@ -268,12 +271,15 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* v_head = v + kv_row * T * D;
   const uint16_t* beta_head = log_beta + kv_row * T;
 
-  uint32_t qf[D / 16][4];
-  load_row_fragments<D>(qf, q + row * T * D, q0, T);
-  uint32_t dof[kGrad ? D / 16 : 1][4];
+  uint32_t qf[kGrad ? 1 : D / 16][4];  // forward: Q in registers
   float lse_lo = 0.f, lse_hi = 0.f, delta_lo = 0.f, delta_hi = 0.f;
-  if constexpr (kGrad) {
-    load_row_fragments<D>(dof, grad_out + row * T * D, q0, T);
+  if constexpr (!kGrad) {
+    load_row_fragments<D>(qf, q + row * T * D, q0, T);
+  } else {
+    // One cp.async group ahead of tile 0's: the first wait covers both.
+    load_tile_async<D, kBlockRows>(q_rows, q + row * T * D, block_q0, T);
+    load_tile_async<D, kBlockRows>(q_rows + kBlockRows * pitch<D>(), grad_out + row * T * D, block_q0, T);
+    cp_async_commit();
     if (t_lo < T) lse_lo = lse_in[row * T + t_lo], delta_lo = delta[row * T + t_lo];
     if (t_hi < T) lse_hi = lse_in[row * T + t_hi], delta_hi = delta[row * T + t_hi];
   }
@@ -312,9 +318,13 @@ __global__ void __launch_bounds__(kThreads)
       const int age_lo = t_lo < T ? static_cast<int>(t_lo - s0) : -kTile;
       const int age_hi = t_hi < T ? static_cast<int>(t_hi - s0) : -kTile;
       float s[kTile / 8][4] = {};
-      mma_rows_by_tile_rows<scalar_t, D>(s, qf, k_s);
       float dp[kGrad ? kTile / 8 : 1][4] = {};
-      if constexpr (kGrad) mma_rows_by_tile_rows<scalar_t, D>(dp, dof, v_s);
+      if constexpr (kGrad) {
+        mma_shared_rows_by_tile_rows<scalar_t, D>(s, q_rows, 16 * warp, k_s);                               // S = Q Kᵀ
+        mma_shared_rows_by_tile_rows<scalar_t, D>(dp, q_rows + kBlockRows * pitch<D>(), 16 * warp, v_s);  // dP = dO Vᵀ
+      } else {
+        mma_rows_by_tile_rows<scalar_t, D>(s, qf, k_s);  // S = Q Kᵀ
+      }
       float tile_max_lo = -INFINITY, tile_max_hi = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kTile / 8; ++j) {
@@ -513,9 +523,10 @@ bool takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   if (k.scalar_type() != dtype || v.scalar_type() != dtype || log_beta.scalar_type() != dtype) return false;
   if (q.size(3) != 64 && q.size(3) != 128) return false;
   if ((q.size(2) + kBlockRows - 1) / kBlockRows > kMaxRowBlocks) return false;
-  for (const at::Tensor* t : {&q, &k, &v, &log_beta})
+  // q, k, v move in 16-byte chunks; log β is read one value at a time.
+  for (const at::Tensor* t : {&q, &k, &v})
     if (!t->is_contiguous() || !aligned16(*t)) return false;
-  return true;
+  return log_beta.is_contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -531,8 +542,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
     using scalar_t = decltype(dtype);
     constexpr int D = decltype(dims)::value;
     const auto kernel = query_rows_kernel<scalar_t, D, false>;
-    allow_smem(kernel, query_rows_smem<D>());
-    kernel<<<grid, kThreads, query_rows_smem<D>(), at::cuda::getCurrentCUDAStream()>>>(
+    allow_smem(kernel, query_rows_smem<D, false>());
+    kernel<<<grid, kThreads, query_rows_smem<D, false>(), at::cuda::getCurrentCUDAStream()>>>(
         bits(q), bits(k), bits(v), bits(log_beta), nullptr, nullptr, nullptr, mutable_bits(out),
         lse.mutable_data_ptr<float>(), T, group, 1.f / std::sqrt(static_cast<float>(D)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -560,8 +571,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const at::Te
     using scalar_t = decltype(dtype);
     constexpr int D = decltype(dims)::value;
     const auto q_kernel = query_rows_kernel<scalar_t, D, true>;
-    allow_smem(q_kernel, query_rows_smem<D>());
-    q_kernel<<<dim3(static_cast<unsigned>(q.size(0) * q.size(1)), row_blocks), kThreads, query_rows_smem<D>(), stream>>>(
+    allow_smem(q_kernel, query_rows_smem<D, true>());
+    q_kernel<<<dim3(static_cast<unsigned>(q.size(0) * q.size(1)), row_blocks), kThreads, query_rows_smem<D, true>(),
+               stream>>>(
         bits(q), bits(k), bits(v), bits(log_beta), bits(grad_out), lse_f.const_data_ptr<float>(),
         delta.const_data_ptr<float>(), mutable_bits(grad_q), nullptr, T, group, scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

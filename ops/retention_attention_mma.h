@@ -8,7 +8,7 @@
 
 namespace kvbound::ops::mma {
 
-// bfloat16 or float16, head dim 64 or 128, contiguous, every tensor's data 16-byte aligned.
+// bfloat16 or float16, head dim 64 or 128, contiguous, the data of q, k and v 16-byte aligned.
 bool takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_beta);
 
 // Same contract as the dispatcher ops: (out, lse [B, Hq, T] fp32) and (dq, dk, dv, d log_beta). Inputs must
