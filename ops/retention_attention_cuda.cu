@@ -336,14 +336,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> retention_attention_b
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = log_beta.contiguous();
   const at::Tensor grad = grad_out.to(q.scalar_type()).contiguous();
-  if (mma::takes(qc, kc, vc, bc) && (grad.numel() == 0 || reinterpret_cast<std::uintptr_t>(grad.const_data_ptr()) % 16 == 0))
-    return mma::backward(grad, qc, kc, vc, bc, out, lse);
   const at::Tensor lse_f = lse.to(at::kFloat).contiguous();
   at::Tensor grad_q = at::empty_like(qc), grad_k = at::empty_like(kc), grad_v = at::empty_like(vc);
   at::Tensor grad_log_beta = at::empty_like(bc);
   if (q.numel() == 0) return {grad_q, grad_k.zero_(), grad_v.zero_(), grad_log_beta.zero_()};
   // Δ_t = dO_t·O_t, the softmax backward's row term, in fp32: [B, Hq, T].
   const at::Tensor delta = at::sum(at::mul(grad.to(at::kFloat), out.to(at::kFloat)), {-1}).contiguous();
+  if (mma::takes(qc, kc, vc, bc) && reinterpret_cast<std::uintptr_t>(grad.const_data_ptr()) % 16 == 0) {
+    mma::backward(grad, qc, kc, vc, bc, lse_f, delta, grad_q, grad_k, grad_v, grad_log_beta);
+    return {grad_q, grad_k, grad_v, grad_log_beta};
+  }
   const int64_t T = q.size(2);
   const int D = static_cast<int>(q.size(3)), group = static_cast<int>(q.size(1) / k.size(1));
   const unsigned row_blocks = static_cast<unsigned>((T + kRows - 1) / kRows);

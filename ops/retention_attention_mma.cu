@@ -22,8 +22,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -551,17 +549,10 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q,
-                                                                    const at::Tensor& k, const at::Tensor& v,
-                                                                    const at::Tensor& log_beta, const at::Tensor& out,
-                                                                    const at::Tensor& lse) {
+void backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& log_beta, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& grad_q,
+              at::Tensor& grad_k, at::Tensor& grad_v, at::Tensor& grad_log_beta) {
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor lse_f = lse.to(at::kFloat).contiguous();
-  at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
-  at::Tensor grad_log_beta = at::empty_like(log_beta);
-  if (q.numel() == 0) return {grad_q, grad_k.zero_(), grad_v.zero_(), grad_log_beta.zero_()};
-  // Δ_t = dO_t·O_t, the softmax backward's row term, in fp32: [B, Hq, T].
-  const at::Tensor delta = at::sum(at::mul(grad_out.to(at::kFloat), out.to(at::kFloat)), {-1}).contiguous();
   const int64_t T = q.size(2);
   const int group = static_cast<int>(q.size(1) / k.size(1));
   const unsigned row_blocks = static_cast<unsigned>((T + kBlockRows - 1) / kBlockRows);
@@ -574,18 +565,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const at::Te
     allow_smem(q_kernel, query_rows_smem<D, true>());
     q_kernel<<<dim3(static_cast<unsigned>(q.size(0) * q.size(1)), row_blocks), kThreads, query_rows_smem<D, true>(),
                stream>>>(
-        bits(q), bits(k), bits(v), bits(log_beta), bits(grad_out), lse_f.const_data_ptr<float>(),
+        bits(q), bits(k), bits(v), bits(log_beta), bits(grad_out), lse.const_data_ptr<float>(),
         delta.const_data_ptr<float>(), mutable_bits(grad_q), nullptr, T, group, scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const auto kv_kernel = key_rows_kernel<scalar_t, D>;
     allow_smem(kv_kernel, key_rows_smem<D>());
     kv_kernel<<<dim3(static_cast<unsigned>(k.size(0) * k.size(1)), row_blocks), kThreads, key_rows_smem<D>(), stream>>>(
-        bits(grad_out), bits(q), bits(k), bits(v), bits(log_beta), lse_f.const_data_ptr<float>(),
+        bits(grad_out), bits(q), bits(k), bits(v), bits(log_beta), lse.const_data_ptr<float>(),
         delta.const_data_ptr<float>(), mutable_bits(grad_k), mutable_bits(grad_v), mutable_bits(grad_log_beta), T, group,
         scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {grad_q, grad_k, grad_v, grad_log_beta};
 }
 
 }  // namespace kvbound::ops::mma

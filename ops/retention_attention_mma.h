@@ -11,13 +11,14 @@ namespace kvbound::ops::mma {
 // bfloat16 or float16, head dim 64 or 128, contiguous, the data of q, k and v 16-byte aligned.
 bool takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_beta);
 
-// Same contract as the dispatcher ops: (out, lse [B, Hq, T] fp32) and (dq, dk, dv, d log_beta). Inputs must
-// satisfy takes(); grad_out in q's dtype, contiguous.
+// The forward as the dispatcher op: (out, lse [B, Hq, T] fp32). Inputs must satisfy takes().
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& log_beta);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q,
-                                                                    const at::Tensor& k, const at::Tensor& v,
-                                                                    const at::Tensor& log_beta, const at::Tensor& out,
-                                                                    const at::Tensor& lse);
+
+// The backward into allocated gradients (shapes and dtypes of q, k, v, log_beta), given lse and
+// Δ_t = dO_t·O_t (both fp32 [B, Hq, T], contiguous) and grad_out in q's dtype, contiguous, 16-byte aligned.
+void backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& log_beta, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& grad_q,
+              at::Tensor& grad_k, at::Tensor& grad_v, at::Tensor& grad_log_beta);
 
 }  // namespace kvbound::ops::mma
