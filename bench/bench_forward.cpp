@@ -2,6 +2,7 @@
 // repeated; prints tokens/s and the peak RSS right after loading, as one JSON line.
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
+#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/randint.h>
 
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <iostream>
 #include <string>
 
+#include "cli/model_setup.h"
 #include "modules/backbone.h"
 #include "ops/cuda_module.h"
 
@@ -28,17 +30,18 @@ long peak_rss_bytes() {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: bench_forward MODEL [T=512] [threads=2] [repeats=5]\n";
+    std::cerr << "usage: bench_forward MODEL [T=512] [threads=2] [repeats=5] [dtype=float32|bfloat16]\n";
     return 2;
   }
   const std::string model_path = argv[1];
   const long T = argc > 2 ? std::stol(argv[2]) : 512;
   const int threads = argc > 3 ? std::stoi(argv[3]) : 2;
   const int repeats = argc > 4 ? std::stoi(argv[4]) : 5;
+  const at::ScalarType dtype = kvbound::parse_dtype(argc > 5 ? argv[5] : "float32", "bench_forward dtype");
   kvbound::load_cuda_kernels();
   at::set_num_threads(threads);
   const c10::InferenceMode no_autograd;
-  const auto model = kvbound::Backbone::load(model_path, at::kFloat);
+  const auto model = kvbound::Backbone::load(model_path, dtype);
   const long rss_after_load = peak_rss_bytes();
   at::manual_seed(0);
   const at::Tensor tokens = at::randint(3, model->config().vocab_size, {1, T}, at::TensorOptions().dtype(at::kLong));
@@ -53,9 +56,21 @@ int main(int argc, char** argv) {
     model->forward(tokens, cache);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  // A lower-precision dtype is only worth its speed with its error beside it: the same tokens through the
+  // float32 model, mean KL(fp32 || dtype) of the next-token distributions and the top-1 agreement.
+  double kl = 0.0, top1 = 1.0;
+  if (dtype != at::kFloat) {
+    const auto reference = kvbound::Backbone::load(model_path, at::kFloat);
+    kvbound::KVCache low_cache = model->make_cache(), ref_cache = reference->make_cache();
+    const at::Tensor low = at::log_softmax(model->forward(tokens, low_cache).to(at::kFloat), -1);
+    const at::Tensor ref = at::log_softmax(reference->forward(tokens, ref_cache).to(at::kFloat), -1);
+    kl = (ref.exp() * (ref - low)).sum(-1).mean().item<double>();
+    top1 = ref.argmax(-1).eq(low.argmax(-1)).to(at::kDouble).mean().item<double>();
+  }
   std::printf(
-      "{\"impl\": \"kvbound\", \"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, "
+      "{\"impl\": \"kvbound\", \"dtype\": \"%s\", \"kl_to_float32\": %.3g, \"top1_vs_float32\": %.4f, "
+      "\"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, "
       "\"peak_rss_after_load_bytes\": %ld, \"fp32_weight_bytes\": %ld}\n",
-      T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
+      c10::toString(dtype), kl, top1, T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
   return 0;
 }
