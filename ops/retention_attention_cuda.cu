@@ -1,11 +1,11 @@
-// CUDA kernels of kvbound::retention_attention (ops/retention_attention.h). bf16/fp16 inputs with head dim 64
-// or 128 go to the tensor-core kernels (ops/retention_attention_mma.cu); the rest (fp32, other head dims,
-// unaligned data) run the kernels below, FlashAttention-2 in its simplest SIMT form: a block of kRows warps owns kRows rows, each warp one row; the other side of the T×T pattern
-// streams through shared memory kTile = 32 rows at a time, one per lane. A lane computes its row pair's
-// logit q_t·k_i/√D + (t−i)·log β_i (a D-long dot product from shared memory, rows padded to D+1 floats so
-// the 32 lanes hit 32 banks), warp shuffles broadcast the 32 probabilities, and each lane accumulates the
-// output dims d ≡ lane (mod 32) in registers. Everything is fp32 whatever the input dtype; no buffer
-// larger than [B, H, T] besides the inputs and outputs.
+// CUDA kernels of kvbound::retention_attention (ops/retention_attention.h). bf16/fp16 inputs with head dim 64 or
+// 128 go to the tensor-core kernels (ops/retention_attention_mma.cu); the rest (fp32, other head dims, unaligned
+// data) run the kernels below, FlashAttention-2 in its simplest SIMT form: a block of kRows warps owns kRows rows,
+// each warp one row; the other side of the T×T pattern streams through shared memory kTile = 32 rows at a time, one
+// per lane. A lane computes its row pair's logit q_t·k_i/√D + (t−i)·log β_i (a D-long dot product from shared
+// memory, rows padded to D+1 floats so the 32 lanes hit 32 banks), warp shuffles broadcast the 32 probabilities,
+// and each lane accumulates the output dims d ≡ lane (mod 32) in registers. Everything is fp32 whatever the input
+// dtype; no buffer larger than [B, H, T] besides the inputs and outputs.
 //   forward  (row = query t):  online softmax over key tiles, saves lse_t.
 //   dQ       (row = query t):  dQ_t = (1/√D)·Σ_i dS[t,i]·k_i,  dS = P∘(dP − Δ_t),  dP = dO·Vᵀ.
 //   dK, dV, d log β (row = key i, walking the group's query heads):
@@ -305,10 +305,13 @@ std::tuple<at::Tensor, at::Tensor> retention_attention_fwd_cuda(const at::Tensor
   check_cuda_inputs(q, k, v, log_beta);
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), bc = log_beta.contiguous();
-  if (mma::takes(qc, kc, vc, bc)) return mma::forward(qc, kc, vc, bc);
   at::Tensor out = at::empty_like(qc);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
+  if (mma::takes(qc, kc, vc, bc)) {
+    mma::forward(qc, kc, vc, bc, out, lse);
+    return {out, lse};
+  }
   const int64_t T = q.size(2);
   const int D = static_cast<int>(q.size(3)), group = static_cast<int>(q.size(1) / k.size(1));
   const dim3 grid(static_cast<unsigned>(q.size(0) * q.size(1)), static_cast<unsigned>((T + kRows - 1) / kRows));

@@ -20,9 +20,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -527,12 +524,8 @@ bool takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   return log_beta.is_contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& log_beta) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty_like(q);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  if (q.numel() == 0) return {out, lse};
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_beta, at::Tensor& out,
+             at::Tensor& lse) {
   const int64_t T = q.size(2);
   const int group = static_cast<int>(q.size(1) / k.size(1));
   const dim3 grid(static_cast<unsigned>(q.size(0) * q.size(1)), static_cast<unsigned>((T + kBlockRows - 1) / kBlockRows));
@@ -546,13 +539,11 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
         lse.mutable_data_ptr<float>(), T, group, 1.f / std::sqrt(static_cast<float>(D)));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {out, lse};
 }
 
 void backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& log_beta, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& grad_q,
               at::Tensor& grad_k, at::Tensor& grad_v, at::Tensor& grad_log_beta) {
-  const c10::cuda::CUDAGuard guard(q.device());
   const int64_t T = q.size(2);
   const int group = static_cast<int>(q.size(1) / k.size(1));
   const unsigned row_blocks = static_cast<unsigned>((T + kBlockRows - 1) / kBlockRows);

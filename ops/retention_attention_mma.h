@@ -4,16 +4,15 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
-#include <tuple>
-
 namespace kvbound::ops::mma {
 
 // bfloat16 or float16, head dim 64 or 128, contiguous, the data of q, k and v 16-byte aligned.
 bool takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_beta);
 
-// The forward as the dispatcher op: (out, lse [B, Hq, T] fp32). Inputs must satisfy takes().
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& log_beta);
+// The forward into allocated outputs: out (q's shape and dtype) and lse (fp32 [B, Hq, T]), both contiguous.
+// Inputs must satisfy takes(); the caller holds the device guard (as for backward).
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& log_beta, at::Tensor& out,
+             at::Tensor& lse);
 
 // The backward into allocated gradients (shapes and dtypes of q, k, v, log_beta), given lse and
 // Δ_t = dO_t·O_t (both fp32 [B, Hq, T], contiguous) and grad_out in q's dtype, contiguous, 16-byte aligned.
