@@ -18,7 +18,8 @@ struct TrainingRows::Source {
   std::unique_ptr<TokenDataset> dataset;
 };
 
-TrainingRows::TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed)
+TrainingRows::TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed,
+                           bool pack)
     : source_(std::make_unique<Source>()), seq_len_(seq_len), bos_(tokenizer.bos_id()), seed_(seed) {
   if (seq_len < 2) fail("config", "train.seq_len", "must be >= 2");
   if (bos_ < 0) fail(path, "tokenizer", "has no BOS token; training rows start with BOS");
@@ -35,6 +36,7 @@ TrainingRows::TrainingRows(const std::string& path, const Tokenizer& tokenizer, 
     });
     offsets = source_->offsets;
   }
+  if (pack) offsets = {0, offsets.back()};  // one stream: rows cut across document boundaries
   const std::int64_t span = seq_len - 1;
   for (std::size_t d = 0; d + 1 < offsets.size(); ++d) {
     for (std::int64_t s = offsets[d]; s < offsets[d + 1]; s += span)

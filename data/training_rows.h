@@ -10,6 +10,12 @@
 // are padded to T with weight-0 positions; padding comes after every real token, so causal attention
 // never lets it change a real position.
 //
+// Packed (`pack`): the documents are read as one stream in file order and cut into rows of T−1 tokens
+// across their boundaries, so short documents (stories of ~200 tokens) fill whole rows and the model sees
+// the deployment's context length; a boundary is then visible only as the EOS a dataset prepared with
+// `kvbound prepare --add-eos` carries. Attention crosses documents there, for the frozen teacher and the
+// student alike, as it does in the continuous text a deployment reads.
+//
 // Order: rows are shuffled per epoch by a permutation drawn from (seed, epoch) alone, so the data position
 // (epoch, cursor) is all a checkpoint needs to resume the exact same batches. Data-parallel training shards
 // each global batch: with `world` processes an update draws world × B rows, and rank r takes rows
@@ -48,8 +54,9 @@ struct DataPosition {
 class TrainingRows {
  public:
   // `path`: .txt/.jsonl (documents split as `kvbound prepare` does) or .h5 (checked against `tokenizer`).
-  // Throws kvbound::Error naming the path when it yields no row.
-  TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed);
+  // `pack`: rows cross document boundaries (above). Throws kvbound::Error naming the path when it yields no row.
+  TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed,
+               bool pack = false);
   ~TrainingRows();
 
   std::int64_t num_rows() const { return static_cast<std::int64_t>(rows_.size()); }

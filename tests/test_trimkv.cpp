@@ -174,6 +174,44 @@ TEST(TrainingRows, RowsStartWithBosStayInOneDocumentAndShiftTargets) {
   EXPECT_EQ(pos.cursor, 1);
 }
 
+// Packed rows read the documents as one stream: every row but the last holds T−1 tokens, rows cross the
+// document boundary, and the concatenated rows (in stream order) give back both documents in file order.
+TEST(TrainingRows, PackedRowsCrossDocumentBoundariesAndFillRows) {
+  const std::string tok = test::asset("stories260K/tok512.bin");
+  KVBOUND_REQUIRE_FILE(tok);
+  const auto tokenizer = load_tokenizer(tok);
+  test::TempDir dir("packed_rows");
+  std::ofstream(dir / "docs.txt") << "Once upon a time there was a cat.\n<|endoftext|>\nThe dog ran far away from home "
+                                     "and never came back to the old red house.\n";
+  auto stream = tokenizer->encode("Once upon a time there was a cat.", false);
+  for (std::int64_t id : tokenizer->encode("The dog ran far away from home and never came back to the old red house.", false))
+    stream.push_back(id);
+  const std::int64_t T = 8, n = static_cast<std::int64_t>(stream.size());
+  const TrainingRows rows(dir / "docs.txt", *tokenizer, T, 42, /*pack=*/true);
+  ASSERT_EQ(rows.num_rows(), (n + T - 2) / (T - 1));
+  DataPosition pos;
+  const Batch all = rows.next(rows.num_rows(), pos);
+  // The shuffled rows, put back in stream order by their first token's offset, spell the stream; each row's
+  // targets continue into the next row's first token (one stream, so only the very last row is cut short).
+  std::vector<std::int64_t> rebuilt(static_cast<std::size_t>(n), -1);
+  std::int64_t full_rows = 0;
+  for (std::int64_t r = 0; r < rows.num_rows(); ++r) {
+    const std::int64_t scored = static_cast<std::int64_t>(all.weights[r].sum().item<double>());
+    full_rows += scored == T;
+    std::int64_t start = -1;  // the stream offset whose next T−1 tokens are this row's inputs after BOS
+    for (std::int64_t s = 0; s < n && start < 0; s += T - 1) {
+      bool same = true;
+      for (std::int64_t t = 0; t < std::min(T - 1, n - s); ++t)
+        same = same && all.inputs[r][t + 1].item<std::int64_t>() == stream[static_cast<std::size_t>(s + t)];
+      if (same) start = s;
+    }
+    ASSERT_GE(start, 0) << "row " << r;
+    for (std::int64_t t = 0; t < scored; ++t) rebuilt[static_cast<std::size_t>(start + t)] = all.targets[r][t].item<std::int64_t>();
+  }
+  EXPECT_EQ(rebuilt, stream);
+  EXPECT_EQ(full_rows, rows.num_rows() - 1);  // every row but the stream's last scores T targets
+}
+
 // Data parallelism: rank r of `world` gets rows [r·B, (r+1)·B) of the global batch a single process with batch
 // world·B would get, across an epoch boundary too, and every rank's position moves past the whole global batch.
 TEST(TrainingRows, ShardsSplitTheGlobalBatchInRankOrder) {
