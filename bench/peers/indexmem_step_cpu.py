@@ -1,0 +1,116 @@
+"""CPU peer for kvbound's IndexMem stage-1 update (bench/bench_train_step METHOD indexmem, same model, shapes and
+threads): the formulas of tests/golden/make_indexmem_golden.py (DESIGN.md, defaults d_I 32, one key per KV head,
+RoPE on, mean pooling over the row's last `window` queries, min_gap 0) written with plain PyTorch the way one
+would on a CPU — transformers' model from the same GGUF as the frozen teacher (forward, no grad; forward hooks keep
+each layer's normalised input and pre-RoPE q/k), the teacher importance from the window's attention rows only
+(window × L logits, never L × L), the indexer's pooled scores, KL(p_T ‖ p_S) per (row, KV head) averaged over
+layers, backward, gradient clipping and fused AdamW on the indexers. Random tokens from torch.manual_seed(0), as
+bench_train_step draws them; every position but the last has a target, so each row has L = T − 1 real tokens.
+Prints one JSON line. Usage: indexmem_step_cpu.py GGUF T B [steps=5] [threads=2] [d_index=32] [window=32]"""
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+def rope(x, positions, theta):
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    emb = (positions.float()[:, None] * inv_freq[None, :]).repeat(1, 2)
+    return x * emb.cos() + rotate_half(x) * emb.sin()
+
+
+def rms_unweighted(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32):
+    torch.set_num_threads(threads)
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    cfg = model.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    Hq, Hkv, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    G = Hq // Hkv
+    theta = cfg.rope_parameters["rope_theta"]  # transformers 5: rope settings live in rope_parameters
+    torch.manual_seed(0)
+    indexers = []
+    for _ in range(cfg.num_hidden_layers):
+        wq = torch.nn.Parameter(torch.randn(d_index, D) * 0.02)
+        wk = torch.nn.Parameter(torch.randn(Hkv * d_index, hidden) * 0.02)
+        ww = torch.nn.Parameter(torch.randn(Hq, hidden) * 0.02)
+        bw = torch.nn.Parameter(torch.zeros(Hq))
+        indexers.append((wq, wk, ww, bw))
+    params = [p for ix in indexers for p in ix]
+    opt = torch.optim.AdamW([{"params": [p for ix in indexers for p in ix[:3]], "weight_decay": 0.01},
+                             {"params": [ix[3] for ix in indexers], "weight_decay": 0.0}], lr=1e-4, fused=True)
+    captured = []  # per layer, in call order: x, q_pre, k_pre
+    for layer in model.model.layers:
+        for module in (layer.input_layernorm, layer.self_attn.q_proj, layer.self_attn.k_proj):
+            module.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    torch.manual_seed(0)
+    ids = torch.randint(3, cfg.vocab_size, (B, T))
+    L = T - 1  # real tokens per row (the last position has no target)
+    pos = torch.arange(L)
+    start = (pos).clamp(min=L - window)  # Ω(t) = [max(t, L − window), L): the window's queries at or after t
+    s_idx = torch.arange(L - window, L)
+    in_omega = s_idx[:, None] >= start[None, :]  # [window, L]
+    count = in_omega.sum(0).clamp(min=1).float()
+
+    def update():
+        opt.zero_grad(set_to_none=True)
+        captured.clear()
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(torch.empty(0), pos.unsqueeze(0))
+            model.model(ids[:, :L])
+        total = 0.0
+        for li, (wq, wk, ww, bw) in enumerate(indexers):
+            x, q_pre, k_pre = captured[3 * li: 3 * li + 3]
+            q_pre = q_pre.view(B, L, Hq, D).transpose(1, 2)
+            k_pre = k_pre.view(B, L, Hkv, D).transpose(1, 2)
+            with torch.no_grad():  # teacher: mean over the group's heads of the window-pooled attention
+                q, k = apply_rotary_pos_emb(q_pre, k_pre, cos, sin)
+                logits = q[:, :, L - window:] @ k.repeat_interleave(G, 1).transpose(-1, -2) / math.sqrt(D)
+                causal = s_idx[:, None] >= pos[None, :]
+                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)  # [B, Hq, window, L]
+                a = (probs.masked_fill(~in_omega, 0).sum(-2) / count).view(B, Hkv, G, L).mean(2)
+                p_t = a / a.sum(-1, keepdim=True)
+            qI = rope(rms_unweighted(q_pre[:, :, L - window:] @ wq.T), s_idx, theta)  # [B, Hq, window, dI]
+            kI = rope(rms_unweighted((x @ wk.T).view(B, L, Hkv, d_index).transpose(1, 2)), pos, theta)
+            w = torch.sigmoid(x[:, L - window:] @ ww.T + bw).permute(0, 2, 1)  # [B, Hq, window]
+            dots = qI @ kI.repeat_interleave(G, 1).transpose(-1, -2)  # [B, Hq, window, L]
+            I = (w[..., None] * dots).view(B, Hkv, G, window, L).sum(2) / math.sqrt(d_index)
+            z = I.masked_fill(~in_omega, 0).sum(-2) / count
+            kl = (torch.xlogy(p_t, p_t) - p_t * torch.log_softmax(z, -1)).sum(-1)  # [B, Hkv]
+            total = total + kl.mean()
+        loss = total / len(indexers)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.item()
+
+    for _ in range(2):
+        update()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = update()
+    seconds = (time.perf_counter() - t0) / steps
+    print(json.dumps({"impl": "pytorch", "method": "indexmem", "T": T, "B": B, "threads": threads,
+                      "ms_per_update": round(seconds * 1e3, 1), "tok_s": round(B * T / seconds, 1),
+                      "loss": round(loss, 4)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
