@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <cstdio>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -71,6 +73,36 @@ TEST_F(EvalCli, UnknownKeyNamesTheClosestOne) {
   EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.policies=[h2o,lru]", &out, &err), 0);
   EXPECT_NE(err.find("lru: unknown policy"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(dir_ / "runs"));
+}
+
+// The weights the repository ships (assets/weights/) serve the default model through the quickstart's own
+// config: they load (backbone hash, shapes, metadata), run, and keep the cache far closer to the full one than
+// random eviction at M = 64 — weights that load but were never trained, or belong to another model, fail here.
+TEST(EvalShippedWeights, ServeTheDefaultModelFarBetterThanRandom) {
+  KVBOUND_REQUIRE_FILE(kvbound::test::default_model());
+  const fs::path out_dir = fs::temp_directory_path() / ("kvbound_shipped_" + std::to_string(::getpid()));
+  const fs::path here = fs::current_path();
+  fs::current_path(fs::path(KVBOUND_CONFIGS).parent_path());  // the config's paths are the repository's
+  std::string out, err;
+  const int code = run(std::string(KVBOUND_CONFIGS) + "/eval/quickstart.yaml --set model.path=" +
+                           kvbound::test::default_model() +
+                           " --set model.threads=2 --set eval.policies=[full,random,trimkv,indexmem,indexmem+mem]"
+                           " --set eval.budgets=[64] --set eval.tasks=[continuation] --set eval.context_len=200"
+                           " --set eval.prefill_len=176 --set eval.score_from=176 --set eval.num_windows=1"
+                           " --set eval.out_dir=" + out_dir.string(),
+                       &out, &err);
+  fs::current_path(here);
+  ASSERT_EQ(code, 0) << err;
+  std::ifstream in(out_dir / "results.json");
+  const auto j = nlohmann::json::parse(in);
+  fs::remove_all(out_dir);
+  std::map<std::string, double> kl;
+  for (const auto& row : j["rows"]) kl[row["policy"].get<std::string>()] = row["metrics"]["kl_to_full"].get<double>();
+  ASSERT_EQ(kl.size(), 5u);
+  for (const char* learned : {"trimkv", "indexmem", "indexmem+mem"}) {
+    EXPECT_TRUE(std::isfinite(kl[learned])) << learned;
+    EXPECT_LT(kl[learned], 0.5 * kl["random"]) << learned << " vs random " << kl["random"];
+  }
 }
 
 }  // namespace
