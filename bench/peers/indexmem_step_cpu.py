@@ -7,16 +7,15 @@ each layer's normalised input and pre-RoPE q/k), the teacher importance from the
 layers, backward, gradient clipping and fused AdamW on the indexers. Random tokens from torch.manual_seed(0), as
 bench_train_step draws them; every position but the last has a target, so each row has L = T − 1 real tokens.
 Prints one JSON line. Usage: indexmem_step_cpu.py GGUF T B [steps=5] [threads=2] [d_index=32] [window=32]"""
-import json
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from update_timing import time_updates
 
 
 def rotate_half(x):
@@ -101,15 +100,7 @@ def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32):
         opt.step()
         return loss.item()
 
-    for _ in range(2):
-        update()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = update()
-    seconds = (time.perf_counter() - t0) / steps
-    print(json.dumps({"impl": "pytorch", "method": "indexmem", "T": T, "B": B, "threads": threads,
-                      "ms_per_update": round(seconds * 1e3, 1), "tok_s": round(B * T / seconds, 1),
-                      "loss": round(loss, 4)}))
+    time_updates(update, "indexmem", T, B, steps, threads)
 
 
 if __name__ == "__main__":

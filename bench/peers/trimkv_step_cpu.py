@@ -6,16 +6,15 @@ without repeating K/V), KL(teacher‖student) + CE on the full vocabulary, the p
 gradient clipping and fused AdamW on the gates (width H, bias init 8, as kvbound's defaults). Random tokens from
 torch.manual_seed(0), as bench_train_step draws them. Prints one JSON line.
 Usage: trimkv_step_cpu.py GGUF T B [steps=5] [threads=2] [gate_hidden=128] [budget=32]"""
-import json
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from update_timing import time_updates
 
 W_KL, W_NTP, LAMBDA_CAP = 0.5, 0.5, 1.0
 
@@ -103,15 +102,7 @@ def main(gguf_path, T, B, steps=5, threads=2, hidden=128, budget=32):
         opt.step()
         return total.item()
 
-    for _ in range(2):
-        update()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = update()
-    seconds = (time.perf_counter() - t0) / steps
-    print(json.dumps({"impl": "pytorch", "method": "trimkv", "T": T, "B": B, "threads": threads,
-                      "ms_per_update": round(seconds * 1e3, 1), "tok_s": round(B * T / seconds, 1),
-                      "loss": round(loss, 4)}))
+    time_updates(update, "trimkv", T, B, steps, threads)
 
 
 if __name__ == "__main__":
