@@ -86,7 +86,7 @@ TEST(EvalShippedWeights, ServeTheDefaultModelFarBetterThanRandom) {
   std::string out, err;
   const int code = run(std::string(KVBOUND_CONFIGS) + "/eval/quickstart.yaml --set model.path=" +
                            kvbound::test::default_model() +
-                           " --set model.threads=2 --set eval.policies=[full,random,trimkv,indexmem,indexmem+mem]"
+                           " --set model.threads=2 --set eval.policies=[full,random,trimkv,trimkv+mem,indexmem,indexmem+mem]"
                            " --set eval.budgets=[64] --set eval.tasks=[continuation] --set eval.context_len=200"
                            " --set eval.prefill_len=176 --set eval.score_from=176 --set eval.num_windows=1"
                            " --set eval.out_dir=" + out_dir.string(),
@@ -98,8 +98,8 @@ TEST(EvalShippedWeights, ServeTheDefaultModelFarBetterThanRandom) {
   fs::remove_all(out_dir);
   std::map<std::string, double> kl;
   for (const auto& row : j["rows"]) kl[row["policy"].get<std::string>()] = row["metrics"]["kl_to_full"].get<double>();
-  ASSERT_EQ(kl.size(), 5u);
-  for (const char* learned : {"trimkv", "indexmem", "indexmem+mem"}) {
+  ASSERT_EQ(kl.size(), 6u);
+  for (const char* learned : {"trimkv", "trimkv+mem", "indexmem", "indexmem+mem"}) {
     EXPECT_TRUE(std::isfinite(kl[learned])) << learned;
     EXPECT_LT(kl[learned], 0.5 * kl["random"]) << learned << " vs random " << kl["random"];
   }
