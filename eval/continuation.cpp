@@ -77,7 +77,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   totals.kl += (full.exp() * (full - logprobs)).sum().item<double>();
   totals.agree += (full.argmax(-1) == logprobs.argmax(-1)).sum().item<double>();
   totals.scored += targets.size(0);
-  totals.peak_kv_bytes = std::max(totals.peak_kv_bytes, hook.budgeted().peak_kv_bytes());
+  totals.peak_kv_bytes = std::max(totals.peak_kv_bytes, hook.peak_kv_bytes());
 }
 
 }  // namespace kvbound

@@ -5,6 +5,9 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/sort.h>
 
+#include <algorithm>
+#include <numeric>
+
 namespace kvbound {
 
 at::Tensor evicted_index(const at::Tensor& keep, std::int64_t n) {
@@ -27,6 +30,12 @@ void MemoryAugmentedCache::after_attention(AttentionCall& call, KVCache& cache) 
   if (pre_rope_keys_.size() <= l) pre_rope_keys_.resize(l + 1);
   at::Tensor& keys = pre_rope_keys_[l];
   keys = keys.defined() ? at::cat({keys, call.k_pre_rope}, 2) : call.k_pre_rope;
+  if (layer_peak_bytes_.size() <= l) layer_peak_bytes_.resize(l + 1, 0);
+  const MemoryState::Layer& state = state_.layer(call.layer);
+  std::int64_t bytes = static_cast<std::int64_t>(keys.nbytes());
+  for (const at::Tensor* t : {&state.mem, &state.z})
+    if (t->defined()) bytes += static_cast<std::int64_t>(t->nbytes());
+  layer_peak_bytes_[l] = std::max(layer_peak_bytes_[l], bytes);
   // Read before the budgeted cache writes this chunk's evictions (see the header).
   const at::Tensor read = memory_->read(call.layer, state_, call.q_pre_rope);
   budgeted_.after_attention(call, cache);
@@ -40,6 +49,10 @@ void MemoryAugmentedCache::write_evicted(std::int64_t layer, const at::Tensor& k
   const at::Tensor evicted = rows(evicted_index(keep, cache.size(layer)));
   memory_->write(layer, state_, at::gather(keys, 2, evicted), at::gather(cache.values(layer), 2, evicted));
   keys = at::gather(keys, 2, rows(keep));
+}
+
+std::int64_t MemoryAugmentedCache::peak_bytes() const {
+  return std::accumulate(layer_peak_bytes_.begin(), layer_peak_bytes_.end(), std::int64_t{0});
 }
 
 BudgetedHook::BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer)

@@ -37,6 +37,9 @@ class MemoryAugmentedCache final : public AttentionHook {
   void before_attention(AttentionCall& call, KVCache& cache) override { budgeted_.before_attention(call, cache); }
   void after_attention(AttentionCall& call, KVCache& cache) override;
   const MemoryState& state() const { return state_; }
+  // Peak bytes this hook holds beside the cache, summed over layers: the pre-RoPE key copy (at its largest,
+  // right after a chunk is appended) plus the memory state (Mem and z, once written).
+  std::int64_t peak_bytes() const;
 
  private:
   void write_evicted(std::int64_t layer, const at::Tensor& keep, const KVCache& cache);
@@ -45,6 +48,7 @@ class MemoryAugmentedCache final : public AttentionHook {
   std::shared_ptr<const LatentMemory> memory_;
   MemoryState state_;
   std::vector<at::Tensor> pre_rope_keys_;  // per layer [B, Hkv, N, D], aligned with the cache's entries
+  std::vector<std::int64_t> layer_peak_bytes_;
 };
 
 // The engine's hook for one sequence: a BudgetedCache, wrapped by a MemoryAugmentedCache when the policy
@@ -57,6 +61,9 @@ class BudgetedHook {
 
   AttentionHook* get() { return memory_ ? static_cast<AttentionHook*>(memory_.get()) : &budgeted_; }
   const BudgetedCache& budgeted() const { return budgeted_; }
+  // What serving this sequence holds at most: the cache's keys and values, plus a latent memory's state and
+  // pre-RoPE key copy when there is one.
+  std::int64_t peak_kv_bytes() const { return budgeted_.peak_kv_bytes() + (memory_ ? memory_->peak_bytes() : 0); }
 
  private:
   BudgetedCache budgeted_;

@@ -265,6 +265,30 @@ TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngineUnderEveryKindOfPolicy
   }
 }
 
+// What "+mem" holds beside the cache counts in the engine's peak: per layer, the pre-RoPE key copy at its
+// largest (budget + chunk entries, the same count as the cache's keys) plus Mem [B, Hkv, d_m, D] and z
+// [B, Hkv, d_m] in float32; the same policy without the memory holds exactly the cache.
+TEST_F(MemPolicy, PeakBytesCountTheKeyCopyAndTheState) {
+  const test::TinyModel& f = tiny_model();
+  const ModelConfig& c = f.model->config();
+  const std::int64_t budget = 8, chunk = 4, B = f.tokens.size(0);
+  auto peak = [&](const std::string& name, std::int64_t* cache_bytes) {
+    auto policy = make_policy(name, policy_config({}), test::tiny_learned_modules(memory_with_gate_bias(4.0)), 3);
+    BudgetedHook hook(*policy, budget);
+    KVCache cache = f.model->make_cache();
+    for (std::int64_t s = 0; s + chunk <= 40; s += chunk) f.model->forward(f.tokens.narrow(1, s, chunk), cache, hook.get());
+    *cache_bytes = hook.budgeted().peak_kv_bytes();
+    return hook.peak_kv_bytes();
+  };
+  std::int64_t plain_cache = 0, mem_cache = 0;
+  EXPECT_EQ(peak("h2o", &plain_cache), plain_cache);
+  const std::int64_t with_memory = peak("h2o+mem", &mem_cache);
+  EXPECT_EQ(mem_cache, plain_cache);
+  const std::int64_t D = c.head_dim, Hkv = c.num_kv_heads, d_m = LatentMemorySettings{}.dim;
+  const std::int64_t key_copy = plain_cache / 2;  // keys and values are the same size; the copy has the keys' dtype
+  EXPECT_EQ(with_memory - plain_cache, key_copy + c.num_layers * B * Hkv * d_m * (D + 1) * 4);
+}
+
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate h2o+mem.
 TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   const auto cli = test::stories260k_cli();
