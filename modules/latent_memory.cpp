@@ -5,11 +5,11 @@
 #include <ATen/ops/elu.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/log.h>
 #include <ATen/ops/log_sigmoid.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/normal.h>
 #include <ATen/ops/sigmoid.h>
-#include <ATen/ops/zeros.h>
 
 #include <cmath>
 
@@ -29,6 +29,14 @@ std::string shape_string(at::IntArrayRef shape) {
 
 }  // namespace
 
+MemoryRead parse_memory_read(const std::string& name, const std::string& source, const std::string& field) {
+  if (name == "add") return MemoryRead::Add;
+  if (name == "slot") return MemoryRead::Slot;
+  fail(source, field, "'" + name + "' is not a memory read (add | slot)");
+}
+
+std::string memory_read_name(MemoryRead read) { return read == MemoryRead::Slot ? "slot" : "add"; }
+
 std::string LatentMemory::tensor_prefix(std::int64_t layer) {
   return "model.layers." + std::to_string(layer) + ".self_attn.latent_memory.";
 }
@@ -40,6 +48,7 @@ LatentMemory LatentMemory::init(const ModelConfig& c, const LatentMemorySettings
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const std::int64_t Hkv = c.num_kv_heads, Hq = c.num_heads, D = c.head_dim;
   LatentMemory m;
+  m.read_ = s.read;
   for (std::int64_t i = 0; i < c.num_layers; ++i) {
     Layer L;
     L.wk = at::normal(0.0, s.proj_std, {Hkv, s.dim, D}, gen, f32);
@@ -54,7 +63,7 @@ LatentMemory LatentMemory::init(const ModelConfig& c, const LatentMemorySettings
 }
 
 LatentMemory LatentMemory::from_tensors(const std::map<std::string, at::Tensor>& tensors, const ModelConfig& c,
-                                        const std::string& source) {
+                                        MemoryRead read, const std::string& source) {
   const std::int64_t Hkv = c.num_kv_heads, Hq = c.num_heads, D = c.head_dim;
   auto find = [&](const std::string& name) {
     const auto it = tensors.find(name);
@@ -72,6 +81,7 @@ LatentMemory LatentMemory::from_tensors(const std::map<std::string, at::Tensor>&
   if (wk0.dim() != 3 || wk0.size(1) < 1) fail(source, tensor_prefix(0) + "wk", "must be [Hkv, d_m, head_dim]");
   const std::int64_t dm = wk0.size(1);
   LatentMemory m;
+  m.read_ = read;
   for (std::int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = tensor_prefix(i);
     Layer L;
@@ -110,20 +120,26 @@ void LatentMemory::write(std::int64_t layer, MemoryState& state, const at::Tenso
   s.z = decay.view({1, Hkv, 1}) * s.z + add_z;
 }
 
-at::Tensor LatentMemory::read(std::int64_t layer, const MemoryState& state, const at::Tensor& q_pre) const {
+at::Tensor LatentMemory::mix(std::int64_t layer, const MemoryState& state, const at::Tensor& q_pre,
+                             const at::Tensor& attention, const at::Tensor& retained_lse) const {
   const Layer& L = layers_.at(static_cast<std::size_t>(layer));
   const MemoryState::Layer& s = state.layer(layer);
+  const at::Tensor o = attention.to(at::kFloat);
+  if (!s.mem.defined()) return o;
   const std::int64_t B = q_pre.size(0), Hq = q_pre.size(1), T = q_pre.size(2), D = q_pre.size(3);
-  if (!s.mem.defined()) return at::zeros({B, Hq, T, D}, q_pre.options().dtype(at::kFloat));
-  const std::int64_t Hkv = L.wk.size(0), G = Hq / Hkv;
+  const std::int64_t Hkv = L.wk.size(0), G = Hq / Hkv, dm = L.wk.size(1);
   const at::Tensor q = q_pre.to(at::kFloat);
   // Query head h belongs to KV head h / G (the backbone's GQA grouping) and uses that head's W_mq.
   const at::Tensor qhat = phi(at::matmul(q.view({B, Hkv, G, T, D}), L.wq.transpose(-1, -2).unsqueeze(1)));  // [B, Hkv, G, T, d_m]
   const at::Tensor num = at::matmul(qhat, s.mem.unsqueeze(2));                        // [B, Hkv, G, T, D]
   const at::Tensor den = at::matmul(qhat, s.z.unsqueeze(2).unsqueeze(-1)) + kEpsilon;  // [B, Hkv, G, T, 1]
   const at::Tensor m = (num / den).view({B, Hq, T, D});
-  const at::Tensor gate = at::sigmoid(at::matmul(q, L.wg.unsqueeze(-1)) + L.cg.view({1, Hq, 1, 1}));  // [B, Hq, T, 1]
-  return gate * m;
+  const at::Tensor logit = at::matmul(q, L.wg.unsqueeze(-1)) + L.cg.view({1, Hq, 1, 1});  // [B, Hq, T, 1]
+  if (read_ == MemoryRead::Add) return o + at::sigmoid(logit) * m;
+  TORCH_CHECK(retained_lse.defined(), "LatentMemory::mix: a slot read needs the retained keys' logsumexp");
+  const at::Tensor slot_logit = at::log(den / static_cast<double>(dm)).view({B, Hq, T, 1}) + logit;
+  const at::Tensor alpha = at::sigmoid(slot_logit - retained_lse.to(at::kFloat));
+  return o + alpha * (m - o);
 }
 
 void LatentMemory::to(c10::Device device) {

@@ -15,11 +15,12 @@
 namespace kvbound {
 
 // Per layer and chunk: (0) a pre-evicting policy cuts the older entries before attention, writing them into
-// the memory; (1) read g(q)·m(q) for the chunk's queries from the memory as it stands, (2) let the
-// budgeted cache observe and evict, writing every evicted entry into the memory, (3) add the read to the
-// attention output. The read comes before the evictions of (2) are written because the chunk's attention
-// already saw those entries (they were still cached): reading them back would count them twice. The
-// entries of (0) the chunk's attention never saw, so the read includes them. The memory trainer
+// the memory; (1) mix the memory's read for the chunk's queries, from the memory as it stands, into the
+// attention output (LatentMemory::mix: add, or slot against the logsumexp of what the attention saw);
+// (2) let the budgeted cache observe and evict, writing every evicted entry into the memory. The read
+// comes before the evictions of (2) are written because the chunk's attention already saw those entries
+// (they were still cached): reading them back would count them twice. The entries of (0) the chunk's
+// attention never saw, so the read includes them. The memory trainer
 // (train/memory_method) replays exactly this order.
 //
 // The cache holds post-RoPE keys, the memory wants pre-RoPE ones: this hook keeps each layer's pre-RoPE
@@ -69,6 +70,10 @@ class BudgetedHook {
   BudgetedCache budgeted_;
   std::unique_ptr<MemoryAugmentedCache> memory_;
 };
+
+// The row logsumexp [B, Hq, T, 1] (float32, scale 1/√D) of a chunk's attention: queries q [B, Hq, T, D] over
+// `keys` [B, Hkv, N, D], the cache after the chunk was appended (its last T entries), causal within the chunk.
+at::Tensor chunk_attention_logsumexp(const at::Tensor& q, const at::Tensor& keys);
 
 // Indices [B, Hkv, N − M] of the entries not in `keep` [B, Hkv, M] (sorted) out of N, in increasing order.
 at::Tensor evicted_index(const at::Tensor& keep, std::int64_t n);

@@ -6,10 +6,13 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/elu.h>
 #include <ATen/ops/full_like.h>
+#include <ATen/ops/log.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
@@ -39,12 +42,12 @@ namespace {
 using test::tiny_model;
 
 // A memory whose gate bias is `cg` everywhere (open: +4, closed: −1e4), everything else from init.
-std::shared_ptr<const LatentMemory> memory_with_gate_bias(double cg) {
+std::shared_ptr<const LatentMemory> memory_with_gate_bias(double cg, MemoryRead read = MemoryRead::Add) {
   const ModelConfig& c = tiny_model().model->config();
   std::map<std::string, at::Tensor> t = LatentMemory::init(c, {}, 5).named_tensors();
   for (auto& [name, tensor] : t)
     if (name.size() > 2 && name.substr(name.size() - 2) == "cg") tensor = at::full_like(tensor, cg);
-  return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, "test"));
+  return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, read, "test"));
 }
 
 // Chunked prefill of `prefill` tokens, then token-by-token decode, through the engine's hook; every logit.
@@ -100,10 +103,54 @@ TEST(LatentMemory, BatchedWritesEqualTheOneTokenRecurrence) {
     EXPECT_TRUE(at::allclose(st->layer(0).mem, mem, 1e-5, 1e-5));
     EXPECT_TRUE(at::allclose(st->layer(0).z, z.squeeze(-1), 1e-5, 1e-5));
   }
-  // An empty memory reads exactly 0; a written one does not.
-  const at::Tensor q = at::randn({3, 4, 6, 8});
-  EXPECT_TRUE(at::equal(memory.read(0, MemoryState(1), q), at::zeros({3, 4, 6, 8})));
-  EXPECT_GT(memory.read(0, whole, q).abs().max().item<double>(), 0);
+  // An empty memory leaves the attention output as it is; a written one changes it.
+  const at::Tensor q = at::randn({3, 4, 6, 8}), attention = at::randn({3, 4, 6, 8});
+  EXPECT_TRUE(at::equal(memory.mix(0, MemoryState(1), q, attention, {}), attention));
+  EXPECT_GT((memory.mix(0, whole, q, attention, {}) - attention).abs().max().item<double>(), 0);
+}
+
+// A slot read is attention over one more entry beside the retained keys: value m(q), logit
+// s_m(q) = log(q̂·z / d_m) + w_g·q_pre + c_g. The reference builds that softmax head by head from the
+// definitions; the engine's path mixes it into the attention output with the chunk's logsumexp.
+TEST(LatentMemory, SlotMixIsTheSoftmaxOverTheRetainedKeysPlusTheMemorySlot) {
+  ModelConfig c;
+  c.num_layers = 1;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  LatentMemorySettings s;
+  s.read = MemoryRead::Slot;
+  s.dim = 5;
+  s.gate_std = 0.5;
+  s.gate_bias_init = 0.3;
+  const LatentMemory memory = LatentMemory::init(c, s, 3);
+  const auto t = memory.named_tensors();
+  auto tensor = [&](const std::string& n) { return t.at(LatentMemory::tensor_prefix(0) + n).detach(); };
+  MemoryState state(1);
+  memory.write(0, state, at::randn({2, 2, 6, 8}), at::randn({2, 2, 6, 8}));
+  // 4 retained entries, then a chunk of 3 queries whose own keys close the cache.
+  const at::Tensor q = at::randn({2, 4, 3, 8}), q_pre = at::randn({2, 4, 3, 8});
+  const at::Tensor keys = at::randn({2, 2, 7, 8}), values = at::randn({2, 2, 7, 8});
+  std::vector<at::Tensor> attention, want;
+  for (std::int64_t h = 0; h < 4; ++h) {
+    const std::int64_t g = h / 2;
+    at::Tensor logits = at::matmul(q.select(1, h), keys.select(1, g).transpose(-1, -2)) / std::sqrt(8.0);  // [2, 3, 7]
+    for (std::int64_t i = 0; i < 3; ++i)
+      for (std::int64_t j = 4 + i + 1; j < 7; ++j) logits.select(1, i).select(1, j).fill_(-INFINITY);
+    attention.push_back(at::matmul(at::softmax(logits, -1), values.select(1, g)));
+    const at::Tensor qhat = at::elu(at::matmul(q_pre.select(1, h), tensor("wq").select(0, g).transpose(0, 1))) + 1;  // [2, 3, 5]
+    const at::Tensor z = state.layer(0).z.select(1, g).unsqueeze(-1);                                               // [2, 5, 1]
+    const at::Tensor den = at::matmul(qhat, z) + LatentMemory::kEpsilon;                                            // [2, 3, 1]
+    const at::Tensor m = at::matmul(qhat, state.layer(0).mem.select(1, g)) / den;                                  // [2, 3, 8]
+    const at::Tensor slot = at::log(den / 5.0) + at::matmul(q_pre.select(1, h), tensor("wg").select(0, h).unsqueeze(-1)) +
+                            tensor("cg").select(0, h);
+    const at::Tensor p = at::softmax(at::cat({logits, slot}, -1), -1);
+    want.push_back(at::matmul(p.narrow(-1, 0, 7), values.select(1, g)) + p.narrow(-1, 7, 1) * m);
+  }
+  const at::Tensor lse = chunk_attention_logsumexp(q, keys);
+  const at::Tensor got = memory.mix(0, state, q_pre, at::stack(attention, 1), lse);
+  EXPECT_TRUE(at::allclose(got, at::stack(want, 1), 1e-5, 1e-5)) << (got - at::stack(want, 1)).abs().max();
+  EXPECT_THROW(memory.mix(0, state, q_pre, at::stack(attention, 1), {}), c10::Error);  // slot needs the logsumexp
 }
 
 TEST(LatentMemory, EvictedIndexIsTheSortedComplementOfKeep) {
@@ -120,15 +167,16 @@ TEST_F(MemPolicy, NamedTensorsRoundTripThroughSafetensors) {
   EXPECT_EQ(written.size(), static_cast<std::size_t>(5 * c.num_layers));
   EXPECT_TRUE(written.count("model.layers.0.self_attn.latent_memory.wk"));
   write_safetensors(dir / "memory.safetensors", written);
-  const auto read = LatentMemory::from_tensors(read_safetensors(dir / "memory.safetensors").tensors, c, "file").named_tensors();
+  const auto read =
+      LatentMemory::from_tensors(read_safetensors(dir / "memory.safetensors").tensors, c, MemoryRead::Add, "file").named_tensors();
   ASSERT_EQ(read.size(), written.size());
   for (const auto& [name, t] : written) EXPECT_TRUE(at::equal(read.at(name), t.detach())) << name;
-  EXPECT_EQ(LatentMemory::from_tensors(read, c, "file").dim(), 16);
+  EXPECT_EQ(LatentMemory::from_tensors(read, c, MemoryRead::Slot, "file").dim(), 16);
 
   std::map<std::string, at::Tensor> broken = written;
   broken.erase("model.layers.1.self_attn.latent_memory.wg");
   try {
-    LatentMemory::from_tensors(broken, c, "file");
+    LatentMemory::from_tensors(broken, c, MemoryRead::Add, "file");
     FAIL() << "a missing tensor must be an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("file: model.layers.1.self_attn.latent_memory.wg"), std::string::npos) << e.what();
@@ -168,8 +216,11 @@ TEST_F(MemPolicy, AMemoryForOnePolicyOverridesTheDefaultForThatPolicyOnly) {
 
 TEST_F(MemPolicy, ClosedGateEqualsTheBasePolicyAndAnOpenOneChangesIt) {
   const at::Tensor h2o = run("h2o", 8, 5, 33, nullptr);
-  EXPECT_TRUE(at::equal(run("h2o+mem", 8, 5, 33, memory_with_gate_bias(-1e4)), h2o));
-  EXPECT_GT((run("h2o+mem", 8, 5, 33, memory_with_gate_bias(4)) - h2o).abs().max().item<double>(), 1e-3);
+  for (const MemoryRead read : {MemoryRead::Add, MemoryRead::Slot}) {
+    SCOPED_TRACE(memory_read_name(read));
+    EXPECT_TRUE(at::equal(run("h2o+mem", 8, 5, 33, memory_with_gate_bias(-1e4, read)), h2o));
+    EXPECT_GT((run("h2o+mem", 8, 5, 33, memory_with_gate_bias(4, read)) - h2o).abs().max().item<double>(), 1e-3);
+  }
 }
 
 TEST_F(MemPolicy, BudgetAtLeastTheLengthEqualsFullForEveryPolicy) {
@@ -189,7 +240,8 @@ TEST_F(MemPolicy, TheHookWritesEveryEvictedTokenExactlyOnce) {
   }
   auto policy = make_policy("h2o", policy_config(), {});
   BudgetedCache budgeted(*policy, 8);
-  MemoryAugmentedCache hook(budgeted, std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, "test")));
+  MemoryAugmentedCache hook(budgeted,
+                            std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, MemoryRead::Add, "test")));
   KVCache cache = f.model->make_cache();
   for (std::int64_t s = 0; s < 33; s += 5) f.model->forward(f.tokens.narrow(1, s, std::min<std::int64_t>(5, 33 - s)), cache, &hook);
   for (std::int64_t l = 0; l < c.num_layers; ++l) {
@@ -200,23 +252,28 @@ TEST_F(MemPolicy, TheHookWritesEveryEvictedTokenExactlyOnce) {
 
 TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
   const test::TinyModel& f = tiny_model();
-  MemorySettings s;
-  s.memory.dim = 4;
-  s.budgets = {8, 12};
-  s.chunk = 5;
-  MemoryMethod method(*f.model, s, 1);
-  Batch batch;
-  batch.inputs = f.tokens;
-  batch.weights = at::ones({1, f.tokens.size(1)});
-  const StepLoss loss = method.loss(batch);
-  EXPECT_GT(loss.total.item<double>(), 0);
-  EXPECT_EQ(loss.per_layer.size(), static_cast<std::size_t>(f.model->config().num_layers));
-  loss.total.backward();
-  for (const auto& [name, p] : method.named_parameters()) {
-    ASSERT_TRUE(p.grad().defined()) << name;
-    EXPECT_GT(p.grad().abs().max().item<double>(), 0) << name;
+  for (const MemoryRead read : {MemoryRead::Add, MemoryRead::Slot}) {
+    SCOPED_TRACE(memory_read_name(read));
+    MemorySettings s;
+    s.memory.read = read;
+    s.memory.dim = 4;
+    s.budgets = {8, 12};
+    s.chunk = 5;
+    MemoryMethod method(*f.model, s, 1);
+    Batch batch;
+    batch.inputs = f.tokens;
+    batch.weights = at::ones({1, f.tokens.size(1)});
+    const StepLoss loss = method.loss(batch);
+    EXPECT_GT(loss.total.item<double>(), 0);
+    EXPECT_EQ(loss.per_layer.size(), static_cast<std::size_t>(f.model->config().num_layers));
+    loss.total.backward();
+    for (const auto& [name, p] : method.named_parameters()) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_GT(p.grad().abs().max().item<double>(), 0) << name;
+    }
+    EXPECT_TRUE(method.eval_policy()->memory());  // the periodic eval runs h2o+mem
+    EXPECT_EQ(method.metadata().at("memory_read"), memory_read_name(read));
   }
-  EXPECT_TRUE(method.eval_policy()->memory());  // the periodic eval runs h2o+mem
 }
 
 // Layer 0 sees the same input with or without eviction upstream, so the trainer's replay of layer 0 must
@@ -224,9 +281,12 @@ TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
 // heuristic, trimkv, and the pre-evicting indexmem (cut before the chunk's attention, then read).
 TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngineUnderEveryKindOfPolicy) {
   const test::TinyModel& f = tiny_model();
-  for (const std::string policy_name : {"h2o", "trimkv", "indexmem"}) {
-    SCOPED_TRACE(policy_name);
+  for (const auto& [policy_name, read] : std::vector<std::pair<std::string, MemoryRead>>{
+           {"h2o", MemoryRead::Add}, {"trimkv", MemoryRead::Add}, {"indexmem", MemoryRead::Add},
+           {"h2o", MemoryRead::Slot}, {"trimkv", MemoryRead::Slot}, {"indexmem", MemoryRead::Slot}}) {
+    SCOPED_TRACE(policy_name + " " + memory_read_name(read));
     MemorySettings s;
+    s.memory.read = read;
     s.memory.gate_bias_init = 2;  // an open gate, so the memory's share of the output is large
     s.policy = policy_name;
     s.base_modules = test::tiny_learned_modules();
@@ -295,7 +355,7 @@ TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   test::TempDir dir("memory_cli");
   std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(
       cli, "  method: memory\n  steps: 3\n",
-      "memory:\n  dim: 8\n  budgets: [8, 12]\n  chunk: 4\nrun:\n  out_dir: " + (dir / "run") + "\n");
+      "memory:\n  dim: 8\n  read: slot\n  budgets: [8, 12]\n  chunk: 4\nrun:\n  out_dir: " + (dir / "run") + "\n");
   std::string out, err;
   ASSERT_EQ(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0) << err;
   const auto lines = test::read_jsonl(dir / "run/metrics.jsonl");
@@ -312,6 +372,7 @@ TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   EXPECT_EQ(mem.tensors.at("model.layers.4.self_attn.latent_memory.wk").size(1), 8);
   EXPECT_EQ(mem.metadata.at("method"), "memory");
   EXPECT_EQ(mem.metadata.at("memory_policy"), "h2o");
+  EXPECT_EQ(mem.metadata.at("memory_read"), "slot");
 
   std::set<std::string> policies;
   ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[h2o+mem,h2o] --set memory.weights=" + (dir / "mem.safetensors"),

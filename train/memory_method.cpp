@@ -116,6 +116,7 @@ std::map<std::string, std::string> MemoryMethod::metadata() const {
             {"stage", "memory"},
             {"d_memory", std::to_string(memory_->dim())},
             {"memory_policy", settings_.policy},
+            {"memory_read", memory_read_name(memory_->read_mode())},
             {"memory_budgets", budgets},
             {"memory_chunk", std::to_string(settings_.chunk)}});
   return m;
@@ -126,6 +127,8 @@ MemorySettings memory_settings(const MethodSetup& setup) {
   MemorySettings m;
   m.memory.dim = c.get_int("memory.dim");
   if (m.memory.dim < 1) fail("config", "memory.dim", "must be >= 1");
+  m.memory.read = parse_memory_read(c.get_string("memory.read"), "config", "memory.read");
+  m.memory.gate_bias_init = m.memory.read == MemoryRead::Slot ? 0.0 : -4.0;  // LatentMemorySettings says why
   m.policy = c.get_string("memory.policy");
   if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
     fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
@@ -146,7 +149,10 @@ void load_memory(const SafetensorsFile& file, const std::string& path, const Bac
   const auto trained_under = file.metadata.find("memory_policy");
   if (!serves.empty() && trained_under != file.metadata.end() && trained_under->second != serves)
     fail(path, "memory_policy", "this memory was trained under '" + trained_under->second + "', not '" + serves + "'");
-  auto memory = std::make_shared<LatentMemory>(LatentMemory::from_tensors(file.tensors, model.config(), path));
+  // Files written before slot reads existed carry no memory_read: they are add.
+  const auto read = file.metadata.find("memory_read");
+  const MemoryRead mode = read == file.metadata.end() ? MemoryRead::Add : parse_memory_read(read->second, path, "memory_read");
+  auto memory = std::make_shared<LatentMemory>(LatentMemory::from_tensors(file.tensors, model.config(), mode, path));
   memory->to(model.device());
   modules.add<LatentMemory>(memory, serves);
 }
@@ -194,6 +200,9 @@ extern const MethodRegistration memory{
     {"memory.weights"},
     [](ConfigSchema& s) {
       s.add("memory.dim", ConfigType::Int, "16", "latent memory size d_m (16..64)")
+          .add("memory.read", ConfigType::String, "add",
+               "how the read enters attention: add (o + g(q) m(q); gate bias starts at -4) | slot (one more softmax "
+               "entry beside the retained keys, logit log(q.z / d_m) + w.q + c; c starts at 0)")
           .add("memory.policy", ConfigType::String, "h2o",
                "base eviction policy the memory is trained (and evaluated) with; a learned one (trimkv, indexmem) "
                "starts from train.init_from")
