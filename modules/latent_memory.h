@@ -28,20 +28,22 @@
 
 namespace kvbound {
 
-// How a read enters the attention output (see above). Files without the `memory_read` metadata key are add.
+// How a read enters the attention output (see above). Files without the `memory_read` metadata key are add
+// (the only read before slot existed); slot is the default, better on stories260K and SmolLM2 (DESIGN.md).
 enum class MemoryRead { Add, Slot };
 MemoryRead parse_memory_read(const std::string& name, const std::string& source, const std::string& field);
 std::string memory_read_name(MemoryRead read);
+// c_g at init. add: −4, the gate starts almost closed and opens as training finds it useful. slot: 0, the
+// memory starts weighted like its evicted tokens at their φ-similarity (the slot's own normalisation).
+constexpr double initial_gate_bias(MemoryRead read) { return read == MemoryRead::Slot ? 0.0 : -4.0; }
 
 struct LatentMemorySettings {
-  MemoryRead read = MemoryRead::Add;
+  MemoryRead read = MemoryRead::Slot;
   std::int64_t dim = 16;          // d_m
   double proj_std = 0.1;          // W_mk, W_mq ~ N(0, proj_std): φ starts near 1, i.e. a plain running mean
   double decay_init = 0.99;       // λ at init: θ = log(λ / (1 − λ))
   double gate_std = 0.02;         // w_g ~ N(0, gate_std)
-  // c_g at init. add: −4, the gate starts almost closed and opens as training finds it useful. slot: 0, the
-  // memory starts weighted like its evicted tokens at their φ-similarity (the slot's own normalisation).
-  double gate_bias_init = -4.0;
+  double gate_bias_init = initial_gate_bias(MemoryRead::Slot);
 };
 
 // The memory of one sequence batch: per layer Mem [B, Hkv, d_m, D] and z [B, Hkv, d_m] (float32),

@@ -104,9 +104,9 @@ TEST(LatentMemory, BatchedWritesEqualTheOneTokenRecurrence) {
     EXPECT_TRUE(at::allclose(st->layer(0).z, z.squeeze(-1), 1e-5, 1e-5));
   }
   // An empty memory leaves the attention output as it is; a written one changes it.
-  const at::Tensor q = at::randn({3, 4, 6, 8}), attention = at::randn({3, 4, 6, 8});
-  EXPECT_TRUE(at::equal(memory.mix(0, MemoryState(1), q, attention, {}), attention));
-  EXPECT_GT((memory.mix(0, whole, q, attention, {}) - attention).abs().max().item<double>(), 0);
+  const at::Tensor q = at::randn({3, 4, 6, 8}), attention = at::randn({3, 4, 6, 8}), lse = at::randn({3, 4, 6, 1});
+  EXPECT_TRUE(at::equal(memory.mix(0, MemoryState(1), q, attention, lse), attention));
+  EXPECT_GT((memory.mix(0, whole, q, attention, lse) - attention).abs().max().item<double>(), 0);
 }
 
 // A slot read is attention over one more entry beside the retained keys: value m(q), logit
@@ -355,7 +355,7 @@ TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   test::TempDir dir("memory_cli");
   std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(
       cli, "  method: memory\n  steps: 3\n",
-      "memory:\n  dim: 8\n  read: slot\n  budgets: [8, 12]\n  chunk: 4\nrun:\n  out_dir: " + (dir / "run") + "\n");
+      "memory:\n  dim: 8\n  read: add\n  budgets: [8, 12]\n  chunk: 4\nrun:\n  out_dir: " + (dir / "run") + "\n");
   std::string out, err;
   ASSERT_EQ(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0) << err;
   const auto lines = test::read_jsonl(dir / "run/metrics.jsonl");
@@ -372,10 +372,19 @@ TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   EXPECT_EQ(mem.tensors.at("model.layers.4.self_attn.latent_memory.wk").size(1), 8);
   EXPECT_EQ(mem.metadata.at("method"), "memory");
   EXPECT_EQ(mem.metadata.at("memory_policy"), "h2o");
-  EXPECT_EQ(mem.metadata.at("memory_read"), "slot");
+  EXPECT_EQ(mem.metadata.at("memory_read"), "add");  // not the default: the key reaches the export
 
   std::set<std::string> policies;
   ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[h2o+mem,h2o] --set memory.weights=" + (dir / "mem.safetensors"),
                             &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"h2o+mem", "h2o"}));
+
+  // A memory file whose read kvbound does not know fails naming the file and the field.
+  std::map<std::string, std::string> metadata = mem.metadata;
+  metadata["memory_read"] = "sum";
+  write_safetensors(dir / "unknown_read.safetensors", mem.tensors, metadata);
+  EXPECT_NE(test::tiny_eval(cli, dir / "unknown_read_eval",
+                            "--set eval.policies=[h2o+mem] --set memory.weights=" + (dir / "unknown_read.safetensors"), &policies, &err),
+            0);
+  EXPECT_NE(err.find("unknown_read.safetensors: memory_read: 'sum' is not a memory read"), std::string::npos) << err;
 }

@@ -128,7 +128,7 @@ MemorySettings memory_settings(const MethodSetup& setup) {
   m.memory.dim = c.get_int("memory.dim");
   if (m.memory.dim < 1) fail("config", "memory.dim", "must be >= 1");
   m.memory.read = parse_memory_read(c.get_string("memory.read"), "config", "memory.read");
-  m.memory.gate_bias_init = m.memory.read == MemoryRead::Slot ? 0.0 : -4.0;  // LatentMemorySettings says why
+  m.memory.gate_bias_init = initial_gate_bias(m.memory.read);
   m.policy = c.get_string("memory.policy");
   if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
     fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
@@ -200,9 +200,9 @@ extern const MethodRegistration memory{
     {"memory.weights"},
     [](ConfigSchema& s) {
       s.add("memory.dim", ConfigType::Int, "16", "latent memory size d_m (16..64)")
-          .add("memory.read", ConfigType::String, "add",
-               "how the read enters attention: add (o + g(q) m(q); gate bias starts at -4) | slot (one more softmax "
-               "entry beside the retained keys, logit log(q.z / d_m) + w.q + c; c starts at 0)")
+          .add("memory.read", ConfigType::String, "slot",
+               "how the read enters attention: slot (one more softmax entry beside the retained keys, logit "
+               "log(q.z / d_m) + w.q + c; c starts at 0) | add (o + g(q) m(q); gate bias starts at -4)")
           .add("memory.policy", ConfigType::String, "h2o",
                "base eviction policy the memory is trained (and evaluated) with; a learned one (trimkv, indexmem) "
                "starts from train.init_from")
