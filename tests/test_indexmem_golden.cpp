@@ -1,5 +1,5 @@
 // IndexMem golden: the stage-1 indexer loss L_KL (IndexMemIndexerMethod, three pool / window / min_gap
-// settings) and the stage-2 latent-memory loss L_MSE (MemoryMethod under streaming_llm at two budgets) equal,
+// settings) and the stage-2 latent-memory loss L_MSE (MemoryMethod under streaming_llm at two budgets, add and slot reads) equal,
 // in total, per layer and in their parameter gradients, a float64 PyTorch implementation of the same formulas
 // on a tiny random Llama with a padded batch (tests/golden/make_indexmem_golden.py).
 #include <ATen/core/grad_mode.h>
@@ -102,26 +102,31 @@ TEST(IndexMemGolden, MemoryMSEEqualsThePythonFormulas) {
   const auto model = Backbone::load(dir, at::kFloat);
   const SafetensorsFile golden = read_safetensors(dir + "/golden.safetensors");
   const SafetensorsFile weights = read_safetensors(dir + "/memory.safetensors");
-  MemorySettings s;
-  s.memory.dim = meta_int(golden, "d_memory");
-  s.policy = "streaming_llm";
-  s.budgets.clear();
-  std::istringstream budgets(golden.metadata.at("budgets"));
-  for (std::string b; std::getline(budgets, b, ',');) s.budgets.push_back(std::stoll(b));
-  s.chunk = meta_int(golden, "chunk");
-  s.policy_config = policy_config({"streaming_llm.sinks=" + std::to_string(meta_int(golden, "sinks"))});
-  MemoryMethod method(*model, s, 0);
-  load_parameters(method.named_parameters(), weights);
-  const StepLoss loss = method.loss(test::golden_batch(golden));
-  std::ostringstream report;
-  report << "L_MSE: |Δ| total " << expect_value(loss.total.item<double>(), meta_double(golden, "mse.total"), "total");
-  ASSERT_EQ(loss.per_layer.size(), static_cast<std::size_t>(model->config().num_layers));
-  for (std::size_t l = 0; l < loss.per_layer.size(); ++l)
-    report << ", layer " << l << " "
-           << expect_value(loss.per_layer[l], meta_double(golden, "mse.layer" + std::to_string(l)), "layer " + std::to_string(l));
-  std::cout << report.str() << "\n";
-  loss.total.backward();
-  expect_gradients(method.named_parameters(), golden, "mse.grad.");
+  for (const MemoryRead read : {MemoryRead::Add, MemoryRead::Slot}) {
+    const std::string key = "mse_" + memory_read_name(read);
+    SCOPED_TRACE(key);
+    MemorySettings s;
+    s.memory.read = read;
+    s.memory.dim = meta_int(golden, "d_memory");
+    s.policy = "streaming_llm";
+    s.budgets.clear();
+    std::istringstream budgets(golden.metadata.at("budgets"));
+    for (std::string b; std::getline(budgets, b, ',');) s.budgets.push_back(std::stoll(b));
+    s.chunk = meta_int(golden, "chunk");
+    s.policy_config = policy_config({"streaming_llm.sinks=" + std::to_string(meta_int(golden, "sinks"))});
+    MemoryMethod method(*model, s, 0);
+    load_parameters(method.named_parameters(), weights);
+    const StepLoss loss = method.loss(test::golden_batch(golden));
+    std::ostringstream report;
+    report << key << ": |Δ| total " << expect_value(loss.total.item<double>(), meta_double(golden, key + ".total"), "total");
+    ASSERT_EQ(loss.per_layer.size(), static_cast<std::size_t>(model->config().num_layers));
+    for (std::size_t l = 0; l < loss.per_layer.size(); ++l)
+      report << ", layer " << l << " "
+             << expect_value(loss.per_layer[l], meta_double(golden, key + ".layer" + std::to_string(l)), "layer " + std::to_string(l));
+    std::cout << report.str() << "\n";
+    loss.total.backward();
+    expect_gradients(method.named_parameters(), golden, key + ".grad.");
+  }
 }
 
 }  // namespace

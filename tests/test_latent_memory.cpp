@@ -65,6 +65,16 @@ at::Tensor run(const std::string& name, std::int64_t budget, std::int64_t chunk,
   return at::cat(out, 1);
 }
 
+// One layer, 4 query heads over 2 KV heads of size 8: the smallest shape where GQA grouping can go wrong.
+ModelConfig one_layer_gqa() {
+  ModelConfig c;
+  c.num_layers = 1;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  return c;
+}
+
 class MemPolicy : public ::testing::Test {
  protected:
   void SetUp() override { KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32")); }
@@ -73,11 +83,7 @@ class MemPolicy : public ::testing::Test {
 }  // namespace
 
 TEST(LatentMemory, BatchedWritesEqualTheOneTokenRecurrence) {
-  ModelConfig c;
-  c.num_layers = 1;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
+  const ModelConfig c = one_layer_gqa();
   LatentMemorySettings s;
   s.dim = 5;
   s.decay_init = 0.8;  // far from 1, so a wrong power of λ shows
@@ -113,11 +119,7 @@ TEST(LatentMemory, BatchedWritesEqualTheOneTokenRecurrence) {
 // s_m(q) = log(q̂·z / d_m) + w_g·q_pre + c_g. The reference builds that softmax head by head from the
 // definitions; the engine's path mixes it into the attention output with the chunk's logsumexp.
 TEST(LatentMemory, SlotMixIsTheSoftmaxOverTheRetainedKeysPlusTheMemorySlot) {
-  ModelConfig c;
-  c.num_layers = 1;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
+  const ModelConfig c = one_layer_gqa();
   LatentMemorySettings s;
   s.read = MemoryRead::Slot;
   s.dim = 5;

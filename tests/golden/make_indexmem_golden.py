@@ -1,6 +1,6 @@
 """IndexMem loss golden: a tiny random Llama (GQA 8/2), random indexer and latent-memory weights under their
 export names, and a padded batch; the stage-1 indexer loss L_KL (at three pool / window / min_gap settings)
-and the stage-2 memory loss L_MSE (streaming_llm evictions replayed at two budgets), per layer and in total,
+and the stage-2 memory loss L_MSE (streaming_llm evictions replayed at two budgets; add and slot reads), per layer and in total,
 plus their gradients, computed here in float64 with plain PyTorch from DESIGN.md's formulas as the C++
 implements them. The teacher q/k/v are recomputed by hand from transformers' layer inputs (checked against
 transformers' own forward). tests/test_indexmem_golden.cpp requires IndexMemIndexerMethod::loss and
@@ -135,8 +135,10 @@ def phi(x):
     return F.elu(x) + 1
 
 
-def memory_mse(layers, weights, mem, cfg):
-    """L_MSE per layer and total: streaming_llm's evictions replayed chunk by chunk at each budget."""
+def memory_mse(layers, weights, mem, cfg, read_mode):
+    """L_MSE per layer and total: streaming_llm's evictions replayed chunk by chunk at each budget. read_mode
+    add: o = o_attn + sigmoid(w_g.q + c_g) m(q); slot: m(q) is one more softmax entry beside the attended keys,
+    logit log(q^.z / d_m) + w_g.q + c_g."""
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     G = Hq // Hkv
     B, T = weights.shape
@@ -158,19 +160,21 @@ def memory_mse(layers, weights, mem, cfg):
                 p = f"model.layers.{li}.self_attn.latent_memory."
                 lam = torch.sigmoid(mem[p + "theta"])  # [Hkv]
                 q_pre = t["q_pre"][:, :, s:s + n]
-                # (1) read from the memory as it stands
-                if state[li] is None:
-                    read = torch.zeros(B, Hq, n, D, dtype=torch.float64)
-                else:
+                # (1) read from the memory as it stands: m(q) and the logit beside it, per query head
+                m_read, logit = None, None
+                if state[li] is not None:
                     Mem, zz = state[li]
-                    read = torch.empty(B, Hq, n, D, dtype=torch.float64)
+                    m_read = torch.empty(B, Hq, n, D, dtype=torch.float64)
+                    logit = torch.empty(B, Hq, n, 1, dtype=torch.float64)
                     for h in range(Hq):
                         g = h // G
                         qhat = phi(q_pre[:, h] @ mem[p + "wq"][g].T)  # [B, n, d_m]
                         num = qhat @ Mem[:, g]  # [B, n, D]
                         den = (qhat * zz[:, g, None, :]).sum(-1, keepdim=True) + MEM_EPS
-                        gate = torch.sigmoid(q_pre[:, h] @ mem[p + "wg"][h] + mem[p + "cg"][h])  # [B, n]
-                        read[:, h] = gate[..., None] * num / den
+                        m_read[:, h] = num / den
+                        logit[:, h] = (q_pre[:, h] @ mem[p + "wg"][h] + mem[p + "cg"][h])[..., None]
+                        if read_mode == "slot":
+                            logit[:, h] = logit[:, h] + torch.log(den / D_MEMORY)
                 # (2) attention of the chunk's queries over everything cached + the chunk (causal within it)
                 cached[li] += list(range(s, s + n))
                 idx = torch.tensor(cached[li])
@@ -195,8 +199,14 @@ def memory_mse(layers, weights, mem, cfg):
                     state[li] = (Mem, zz)
                     cached[li] = kept
                     evicted_any = True
-                # (4) output = attention + read
-                o = o_attn + read
+                # (4) the read mixed into the attention output
+                if m_read is None:
+                    o = o_attn
+                elif read_mode == "add":
+                    o = o_attn + torch.sigmoid(logit) * m_read
+                else:
+                    alpha = torch.sigmoid(logit - torch.logsumexp(logits, -1, keepdim=True))
+                    o = o_attn + alpha * (m_read - o_attn)
                 if scored:
                     sse[li] = sse[li] + (((o - t["o_full"][:, :, s:s + n]) * mask) ** 2).sum()
             if scored:
@@ -259,14 +269,16 @@ def main(out_dir):
         for k, v in ix64.items():
             out[f"kl{i}.grad.{k}"] = v.grad.float()
 
-    mem64 = {k: v.double().requires_grad_(True) for k, v in mem.items()}
-    total, per_layer = memory_mse(layers, weights, mem64, config)
-    total.backward()
-    meta["mse.total"] = repr(total.item())
-    for li, v in enumerate(per_layer):
-        meta[f"mse.layer{li}"] = repr(v.item())
-    for k, v in mem64.items():
-        out[f"mse.grad.{k}"] = v.grad.float()
+    for read_mode in ("add", "slot"):
+        key = f"mse_{read_mode}"
+        mem64 = {k: v.double().requires_grad_(True) for k, v in mem.items()}
+        total, per_layer = memory_mse(layers, weights, mem64, config, read_mode)
+        total.backward()
+        meta[f"{key}.total"] = repr(total.item())
+        for li, v in enumerate(per_layer):
+            meta[f"{key}.layer{li}"] = repr(v.item())
+        for k, v in mem64.items():
+            out[f"{key}.grad.{k}"] = v.grad.float()
     save_file(out, f"{out_dir}/golden.safetensors", metadata=meta)
 
 
