@@ -59,6 +59,22 @@ void load_parameters(const std::map<std::string, at::Tensor>& params, const Safe
   for (const auto& [name, p] : params) p.detach().copy_(weights.tensors.at(name));
 }
 
+// A method's loss on the golden batch against the golden's `prefix`total, `prefix`layerN and, after its
+// backward, `prefix`grad.*; prints every |Δ| under `label`.
+void expect_loss_equals_golden(TrainingMethod& method, const Batch& batch, const SafetensorsFile& golden,
+                               const std::string& prefix, const std::string& label, std::int64_t num_layers) {
+  const StepLoss loss = method.loss(batch);
+  std::ostringstream report;
+  report << label << ": |Δ| total " << expect_value(loss.total.item<double>(), meta_double(golden, prefix + "total"), "total");
+  ASSERT_EQ(loss.per_layer.size(), static_cast<std::size_t>(num_layers));
+  for (std::size_t l = 0; l < loss.per_layer.size(); ++l)
+    report << ", layer " << l << " "
+           << expect_value(loss.per_layer[l], meta_double(golden, prefix + "layer" + std::to_string(l)), "layer " + std::to_string(l));
+  std::cout << report.str() << "\n";
+  loss.total.backward();
+  expect_gradients(method.named_parameters(), golden, prefix + "grad.");
+}
+
 TEST(IndexMemGolden, IndexerKLEqualsThePythonFormulas) {
   const std::string dir = test::test_data("indexmem");
   KVBOUND_REQUIRE_FILE(dir + "/golden.safetensors");
@@ -83,16 +99,7 @@ TEST(IndexMemGolden, IndexerKLEqualsThePythonFormulas) {
     SCOPED_TRACE(what);
     IndexMemIndexerMethod method(*model, s, 0);
     load_parameters(method.named_parameters(), weights);
-    const StepLoss loss = method.loss(batch);
-    std::ostringstream report;
-    report << "L_KL " << what << ": |Δ| total " << expect_value(loss.total.item<double>(), meta_double(golden, k + "total"), "total");
-    ASSERT_EQ(loss.per_layer.size(), static_cast<std::size_t>(model->config().num_layers));
-    for (std::size_t l = 0; l < loss.per_layer.size(); ++l)
-      report << ", layer " << l << " "
-             << expect_value(loss.per_layer[l], meta_double(golden, k + "layer" + std::to_string(l)), "layer " + std::to_string(l));
-    std::cout << report.str() << "\n";
-    loss.total.backward();
-    expect_gradients(method.named_parameters(), golden, k + "grad.");
+    expect_loss_equals_golden(method, batch, golden, k, "L_KL " + what, model->config().num_layers);
   }
 }
 
@@ -116,16 +123,7 @@ TEST(IndexMemGolden, MemoryMSEEqualsThePythonFormulas) {
     s.policy_config = policy_config({"streaming_llm.sinks=" + std::to_string(meta_int(golden, "sinks"))});
     MemoryMethod method(*model, s, 0);
     load_parameters(method.named_parameters(), weights);
-    const StepLoss loss = method.loss(test::golden_batch(golden));
-    std::ostringstream report;
-    report << key << ": |Δ| total " << expect_value(loss.total.item<double>(), meta_double(golden, key + ".total"), "total");
-    ASSERT_EQ(loss.per_layer.size(), static_cast<std::size_t>(model->config().num_layers));
-    for (std::size_t l = 0; l < loss.per_layer.size(); ++l)
-      report << ", layer " << l << " "
-             << expect_value(loss.per_layer[l], meta_double(golden, key + ".layer" + std::to_string(l)), "layer " + std::to_string(l));
-    std::cout << report.str() << "\n";
-    loss.total.backward();
-    expect_gradients(method.named_parameters(), golden, key + ".grad.");
+    expect_loss_equals_golden(method, test::golden_batch(golden), golden, key + ".", key, model->config().num_layers);
   }
 }
 
