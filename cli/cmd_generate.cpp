@@ -85,7 +85,11 @@ std::string sample_prompts(const Backbone& model, const Tokenizer& tokenizer, co
       step_input = at::tensor(next, at::TensorOptions().dtype(at::kLong)).unsqueeze(1);
     }
     for (const auto& row : rows) {
-      out << nlohmann::json{{"prompt", prompts[p]}, {"text", tokenizer.decode(row)}}.dump() << "\n";
+      // Sampled byte-fallback pieces can end a row inside a character or string bytes that are no UTF-8; JSON
+      // holds only UTF-8, so such bytes become U+FFFD (what `prepare` reads is then what the line shows).
+      out << nlohmann::json{{"prompt", prompts[p]}, {"text", tokenizer.decode(row)}}.dump(
+                 -1, ' ', false, nlohmann::json::error_handler_t::replace)
+          << "\n";
       new_tokens += static_cast<std::int64_t>(row.size() - ids.size());
       ++written;
     }

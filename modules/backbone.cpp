@@ -1,10 +1,13 @@
 #include "modules/backbone.h"
 
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/relu.h>
@@ -12,6 +15,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/tril.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/where.h>
 
 #include <cmath>
@@ -178,6 +182,25 @@ at::Tensor apply_activation(const std::string& act, const at::Tensor& x) {
   return at::relu(x);
 }
 
+namespace {
+
+// The row logsumexp [B, Hq, T, 1] of q [B, Hq, T, D] over keys [B, Hkv, N, D] under `visible` [T, N] (or causal
+// within the last T keys, or everything), formed explicitly: the path of devices whose attention kernel does not
+// hand it out.
+at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys, const std::optional<at::Tensor>& visible,
+                              bool causal) {
+  const std::int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const std::int64_t Hkv = keys.size(1), N = keys.size(2);
+  at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, Hq / Hkv, T, D}),
+                                 keys.to(at::kFloat).transpose(-1, -2).unsqueeze(2)) /
+                      std::sqrt(static_cast<double>(D));  // [B, Hkv, G, T, N]
+  if (visible) scores = scores.masked_fill(visible->logical_not(), -INFINITY);
+  if (causal) scores = scores.masked_fill(at::ones({T, N}, q.options().dtype(at::kBool)).tril(N - T).logical_not(), -INFINITY);
+  return at::logsumexp(scores, -1, true).view({B, Hq, T, 1});
+}
+
+}  // namespace
+
 void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook) {
   if (hook) hook->before_attention(call, cache);
   const std::int64_t T = call.q.size(2), cached = cache.size(call.layer);
@@ -190,8 +213,21 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
     const auto opts = at::TensorOptions().dtype(at::kBool).device(call.q.device());
     mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
   }
-  call.output = at::scaled_dot_product_attention(call.q, cache.keys(call.layer), cache.values(call.layer), mask, 0.0,
-                                                 causal, std::nullopt, /*enable_gqa=*/call.q.size(1) != call.k.size(1));
+  const at::Tensor& keys = cache.keys(call.layer);
+  const at::Tensor& values = cache.values(call.layer);
+  if (call.wants_logsumexp && call.q.is_cpu()) {
+    // The kernel SDPA itself runs on the CPU (GQA included), called directly for the logsumexp it computes anyway;
+    // it takes the mask additive, in the query's dtype.
+    std::optional<at::Tensor> additive;
+    if (mask) additive = at::zeros(mask->sizes(), call.q.options()).masked_fill(mask->logical_not(), -INFINITY);
+    at::Tensor lse;
+    std::tie(call.output, lse) = at::_scaled_dot_product_flash_attention_for_cpu(call.q, keys, values, 0.0, causal, additive);
+    call.logsumexp = lse.to(at::kFloat).unsqueeze(-1);
+  } else {
+    call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
+                                                   /*enable_gqa=*/call.q.size(1) != call.k.size(1));
+    if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys, mask, causal);
+  }
   if (hook) hook->after_attention(call, cache);
 }
 

@@ -25,6 +25,12 @@ struct AttentionCall {
   at::Tensor positions;     // [T] int64: start, start + 1, ..., start + T - 1
   std::int64_t start = 0;   // the chunk's first position, known on the host (no device sync to read it)
   at::Tensor output;        // [B, Hq, T, D]: set by attention, before o_proj; after_attention may replace it
+  // A hook that weighs something against what the attention saw (a latent memory's slot read) sets this in
+  // before_attention; attend_over_cache then also sets `logsumexp`, each query's row logsumexp [B, Hq, T, 1]
+  // (float32, scale 1/√D) over the entries it attended, from the same pass as `output` where the device's
+  // attention kernel returns it (CPU), so the scores are not formed twice.
+  bool wants_logsumexp = false;
+  at::Tensor logsumexp;
 };
 
 class AttentionHook {
@@ -43,7 +49,8 @@ class AttentionHook {
 // One layer's attention of a chunk over the KV cache, the one path of the backbone's forward and of the
 // trainers' replays of captured q/k/v: the hook's before_attention (pre-eviction), the chunk appended to the
 // cache, scaled dot-product attention over "every cached entry + causal within the chunk" (every cached entry
-// precedes the chunk, so one mask serves all heads), then the hook's after_attention. Sets call.output.
+// precedes the chunk, so one mask serves all heads), then the hook's after_attention. Sets call.output, and
+// call.logsumexp when the hook asked for it.
 void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook);
 
 class Backbone {

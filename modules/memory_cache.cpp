@@ -1,17 +1,11 @@
 #include "modules/memory_cache.h"
 
-#include <ATen/core/grad_mode.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/gather.h>
-#include <ATen/ops/logsumexp.h>
-#include <ATen/ops/matmul.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/sort.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <numeric>
 
 namespace kvbound {
@@ -22,20 +16,6 @@ at::Tensor evicted_index(const at::Tensor& keep, std::int64_t n) {
   // A stable sort puts the evicted (0) entries first, each group in index (= position) order.
   const at::Tensor order = std::get<1>(at::sort(kept, /*stable=*/true, -1, /*descending=*/false));
   return order.narrow(-1, 0, n - keep.size(-1));
-}
-
-at::Tensor chunk_attention_logsumexp(const at::Tensor& q, const at::Tensor& keys) {
-  const at::NoGradGuard no_grad;  // a function of the frozen backbone's q/k only
-  const std::int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  const std::int64_t Hkv = keys.size(1), N = keys.size(2), G = Hq / Hkv;
-  const at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, G, T, D}),
-                                       keys.to(at::kFloat).transpose(-1, -2).unsqueeze(2)) /
-                            std::sqrt(static_cast<double>(D));  // [B, Hkv, G, T, N]
-  // Query t of the chunk sees every entry before the chunk and the chunk's entries 0..t.
-  const auto opts = at::TensorOptions().dtype(at::kLong).device(q.device());
-  const at::Tensor hidden = at::arange(N, opts).view({1, N}) > (at::arange(T, opts) + (N - T)).view({T, 1});
-  return at::logsumexp(scores.masked_fill(hidden, -std::numeric_limits<double>::infinity()), -1, true)
-      .view({B, Hq, T, 1});
 }
 
 MemoryAugmentedCache::MemoryAugmentedCache(BudgetedCache& budgeted, std::shared_ptr<const LatentMemory> memory)
@@ -58,10 +38,7 @@ void MemoryAugmentedCache::after_attention(AttentionCall& call, KVCache& cache) 
   layer_peak_bytes_[l] = std::max(layer_peak_bytes_[l], bytes);
   // Read before the budgeted cache writes this chunk's evictions (see the header); the eviction only observes
   // q/k, so the mixed output can be set first. A slot read weighs the memory against what attention just saw.
-  const at::Tensor lse = memory_->needs_retained_lse()
-                             ? chunk_attention_logsumexp(call.q, cache.keys(call.layer))
-                             : at::Tensor();
-  call.output = memory_->mix(call.layer, state_, call.q_pre_rope, call.output, lse).to(call.output.scalar_type());
+  call.output = memory_->mix(call.layer, state_, call.q_pre_rope, call.output, call.logsumexp).to(call.output.scalar_type());
   budgeted_.after_attention(call, cache);
 }
 

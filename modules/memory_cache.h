@@ -35,7 +35,10 @@ class MemoryAugmentedCache final : public AttentionHook {
   MemoryAugmentedCache& operator=(const MemoryAugmentedCache&) = delete;
   ~MemoryAugmentedCache() override { budgeted_.on_evict(nullptr); }  // the cache may outlive this hook
 
-  void before_attention(AttentionCall& call, KVCache& cache) override { budgeted_.before_attention(call, cache); }
+  void before_attention(AttentionCall& call, KVCache& cache) override {
+    call.wants_logsumexp = memory_->needs_retained_lse();
+    budgeted_.before_attention(call, cache);
+  }
   void after_attention(AttentionCall& call, KVCache& cache) override;
   const MemoryState& state() const { return state_; }
   // Peak bytes this hook holds beside the cache, summed over layers: the pre-RoPE key copy (at its largest,
@@ -70,10 +73,6 @@ class BudgetedHook {
   BudgetedCache budgeted_;
   std::unique_ptr<MemoryAugmentedCache> memory_;
 };
-
-// The row logsumexp [B, Hq, T, 1] (float32, scale 1/√D) of a chunk's attention: queries q [B, Hq, T, D] over
-// `keys` [B, Hkv, N, D], the cache after the chunk was appended (its last T entries), causal within the chunk.
-at::Tensor chunk_attention_logsumexp(const at::Tensor& q, const at::Tensor& keys);
 
 // Indices [B, Hkv, N − M] of the entries not in `keep` [B, Hkv, M] (sorted) out of N, in increasing order.
 at::Tensor evicted_index(const at::Tensor& keep, std::int64_t n);

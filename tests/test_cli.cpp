@@ -107,6 +107,15 @@ TEST(Cli, GenerateSamplesEveryPromptIntoJsonLines) {
   ASSERT_EQ(a.size(), 6u);
   EXPECT_NE(a[0].second, a[1].second);
   EXPECT_EQ(a[3].second.rfind("The little dog", 0), 0u) << a[3].second;
+  // Near-uniform sampling draws stories260K's byte pieces (<0x80>..<0xFF> alone are no UTF-8): each such byte is
+  // written as U+FFFD, so every line stays JSON and the file prepares.
+  const CliRun hot = run(base + " --temperature 50 --seed 1 --out " + (tmp / "hot.jsonl"));
+  ASSERT_EQ(hot.code, 0) << hot.err;
+  std::size_t replaced = 0;
+  for (const auto& [p, text] : read_samples(tmp / "hot.jsonl")) replaced += text.find("\xEF\xBF\xBD") != std::string::npos;
+  EXPECT_GT(replaced, 0u) << "no sample drew a lone byte piece: the test no longer exercises the replacement";
+  const CliRun prepared = run("prepare --tokenizer " + quote(kvbound::test::asset("stories260K/tok512.bin")) + " --output " + (tmp / "hot.h5") + " " + (tmp / "hot.jsonl"));
+  EXPECT_EQ(prepared.code, 0) << prepared.err;
 
   const CliRun lonely = run("generate --model " + quote(dir) + " --samples 3");
   EXPECT_NE(lonely.code, 0);

@@ -7,6 +7,7 @@
 #include <ATen/ops/elu.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/log.h>
+#include <ATen/ops/logsumexp.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
@@ -133,13 +134,14 @@ TEST(LatentMemory, SlotMixIsTheSoftmaxOverTheRetainedKeysPlusTheMemorySlot) {
   // 4 retained entries, then a chunk of 3 queries whose own keys close the cache.
   const at::Tensor q = at::randn({2, 4, 3, 8}), q_pre = at::randn({2, 4, 3, 8});
   const at::Tensor keys = at::randn({2, 2, 7, 8}), values = at::randn({2, 2, 7, 8});
-  std::vector<at::Tensor> attention, want;
+  std::vector<at::Tensor> attention, lse, want;
   for (std::int64_t h = 0; h < 4; ++h) {
     const std::int64_t g = h / 2;
     at::Tensor logits = at::matmul(q.select(1, h), keys.select(1, g).transpose(-1, -2)) / std::sqrt(8.0);  // [2, 3, 7]
     for (std::int64_t i = 0; i < 3; ++i)
       for (std::int64_t j = 4 + i + 1; j < 7; ++j) logits.select(1, i).select(1, j).fill_(-INFINITY);
     attention.push_back(at::matmul(at::softmax(logits, -1), values.select(1, g)));
+    lse.push_back(at::logsumexp(logits, -1, true));
     const at::Tensor qhat = at::elu(at::matmul(q_pre.select(1, h), tensor("wq").select(0, g).transpose(0, 1))) + 1;  // [2, 3, 5]
     const at::Tensor z = state.layer(0).z.select(1, g).unsqueeze(-1);                                               // [2, 5, 1]
     const at::Tensor den = at::matmul(qhat, z) + LatentMemory::kEpsilon;                                            // [2, 3, 1]
@@ -149,8 +151,7 @@ TEST(LatentMemory, SlotMixIsTheSoftmaxOverTheRetainedKeysPlusTheMemorySlot) {
     const at::Tensor p = at::softmax(at::cat({logits, slot}, -1), -1);
     want.push_back(at::matmul(p.narrow(-1, 0, 7), values.select(1, g)) + p.narrow(-1, 7, 1) * m);
   }
-  const at::Tensor lse = chunk_attention_logsumexp(q, keys);
-  const at::Tensor got = memory.mix(0, state, q_pre, at::stack(attention, 1), lse);
+  const at::Tensor got = memory.mix(0, state, q_pre, at::stack(attention, 1), at::stack(lse, 1));
   EXPECT_TRUE(at::allclose(got, at::stack(want, 1), 1e-5, 1e-5)) << (got - at::stack(want, 1)).abs().max();
   EXPECT_THROW(memory.mix(0, state, q_pre, at::stack(attention, 1), {}), c10::Error);  // slot needs the logsumexp
 }
