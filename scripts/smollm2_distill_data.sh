@@ -21,4 +21,4 @@ mkdir -p "$out"
 head -n "$prompts" configs/data/distill_prompts.txt > "$out/prompts.txt"
 "$build"/kvbound generate --model "$model" --prompts "$out/prompts.txt" --samples "$samples" \
   --temperature 1 --max-new-tokens "$max_new" --threads "$threads" --seed 0 --out "$out/samples.jsonl"
-"$build"/kvbound prepare --tokenizer "$model" --output "$out/samples.h5" --force "$out/samples.jsonl"
+"$build"/kvbound prepare --tokenizer "$model" --output "$out/samples.h5" --add-eos --force "$out/samples.jsonl"
