@@ -1,5 +1,6 @@
 #include "modules/backbone.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
@@ -189,6 +190,7 @@ namespace {
 // hand it out.
 at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys, const std::optional<at::Tensor>& visible,
                               bool causal) {
+  const at::NoGradGuard no_grad;  // as the CPU kernel's logsumexp, which carries no gradient
   const std::int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const std::int64_t Hkv = keys.size(1), N = keys.size(2);
   at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, Hq / Hkv, T, D}),
@@ -217,7 +219,9 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   const at::Tensor& values = cache.values(call.layer);
   if (call.wants_logsumexp && call.q.is_cpu()) {
     // The kernel SDPA itself runs on the CPU (GQA included), called directly for the logsumexp it computes anyway;
-    // it takes the mask additive, in the query's dtype.
+    // it takes the mask additive, in the query's dtype. A private ATen op whose signature follows the pinned
+    // torch (2.11): the test AttendOverCache.HandsOutTheLogsumexpOfWhatEachQueryAttended checks it still
+    // equals SDPA bit for bit.
     std::optional<at::Tensor> additive;
     if (mask) additive = at::zeros(mask->sizes(), call.q.options()).masked_fill(mask->logical_not(), -INFINITY);
     at::Tensor lse;
