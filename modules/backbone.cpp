@@ -185,20 +185,19 @@ at::Tensor apply_activation(const std::string& act, const at::Tensor& x) {
 
 namespace {
 
-// The row logsumexp [B, Hq, T, 1] of q [B, Hq, T, D] over keys [B, Hkv, N, D] under `visible` [T, N] (or causal
-// within the last T keys, or everything), formed explicitly: the path of devices whose attention kernel does not
-// hand it out.
-at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys, const std::optional<at::Tensor>& visible,
-                              bool causal) {
+// The row logsumexp [B, Hq, T, 1] of q [B, Hq, T, D] over keys [B, Hkv, N, D], the chunk's T queries being the
+// last T positions: query t sees keys 0 … N − T + t, which is the first chunk's causal mask (N = T), a later
+// chunk's mask (everything cached + causal within the chunk) and a single token's (everything) alike. Formed
+// explicitly: the path of devices whose attention kernel does not hand it out.
+at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys) {
   const at::NoGradGuard no_grad;  // as the CPU kernel's logsumexp, which carries no gradient
   const std::int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const std::int64_t Hkv = keys.size(1), N = keys.size(2);
-  at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, Hq / Hkv, T, D}),
-                                 keys.to(at::kFloat).transpose(-1, -2).unsqueeze(2)) /
-                      std::sqrt(static_cast<double>(D));  // [B, Hkv, G, T, N]
-  if (visible) scores = scores.masked_fill(visible->logical_not(), -INFINITY);
-  if (causal) scores = scores.masked_fill(at::ones({T, N}, q.options().dtype(at::kBool)).tril(N - T).logical_not(), -INFINITY);
-  return at::logsumexp(scores, -1, true).view({B, Hq, T, 1});
+  const at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, Hq / Hkv, T, D}),
+                                       keys.to(at::kFloat).transpose(-1, -2).unsqueeze(2)) /
+                            std::sqrt(static_cast<double>(D));  // [B, Hkv, G, T, N]
+  const at::Tensor hidden = at::ones({T, N}, q.options().dtype(at::kBool)).tril(N - T).logical_not();
+  return at::logsumexp(scores.masked_fill(hidden, -INFINITY), -1, true).view({B, Hq, T, 1});
 }
 
 }  // namespace
@@ -230,7 +229,7 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   } else {
     call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
                                                    /*enable_gqa=*/call.q.size(1) != call.k.size(1));
-    if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys, mask, causal);
+    if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys);
   }
   if (hook) hook->after_attention(call, cache);
 }
