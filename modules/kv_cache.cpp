@@ -1,5 +1,7 @@
 #include "modules/kv_cache.h"
 
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gather.h>
 
@@ -8,12 +10,28 @@ namespace kvbound {
 
 KVCache::KVCache(std::int64_t num_layers) : layers_(static_cast<std::size_t>(num_layers)) {}
 
+namespace {
+
+// Entries some autograd graph reaches (a forward trained end to end through the cache) are never written in
+// place: attention saved them for its backward. Such a layer's cache is rebuilt by cat and gather instead.
+bool tracked(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+
+}  // namespace
+
 void KVCache::append(std::int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   Layer& L = layers_.at(layer);
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "KVCache::append: k and v must be [B, Hkv, T, D] alike");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == k.size(2), "KVCache::append: positions must be [T]");
   const std::int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3);
   const std::int64_t need = L.length + T;
+  if (tracked(L.k) || tracked(L.v) || (at::GradMode::is_enabled() && (tracked(k) || tracked(v)))) {
+    const at::Tensor pos = positions.to(at::kLong).view({1, 1, T}).expand({B, H, T});
+    L.k = L.length > 0 ? at::cat({keys(layer), k}, 2) : k;
+    L.v = L.length > 0 ? at::cat({values(layer), v}, 2) : v;
+    L.pos = L.length > 0 ? at::cat({this->positions(layer), pos}, 2) : pos.contiguous();
+    L.length = need;
+    return;
+  }
   if (!L.k.defined() || need > L.k.size(2)) {
     const std::int64_t cap = std::max<std::int64_t>(need, L.k.defined() ? 2 * L.k.size(2) : std::max<std::int64_t>(need, 64));
     at::Tensor nk = at::empty({B, H, cap, D}, k.options());
@@ -48,6 +66,13 @@ void KVCache::retain(std::int64_t layer, const at::Tensor& index) {
   const at::Tensor k = at::gather(keys(layer), 2, idx4);
   const at::Tensor v = at::gather(values(layer), 2, idx4);
   const at::Tensor p = at::gather(positions(layer), 2, idx);
+  if (tracked(L.k) || tracked(L.v)) {
+    L.k = k;
+    L.v = v;
+    L.pos = p;
+    L.length = M;
+    return;
+  }
   L.k.narrow(2, 0, M).copy_(k);
   L.v.narrow(2, 0, M).copy_(v);
   L.pos.narrow(2, 0, M).copy_(p);

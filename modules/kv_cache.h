@@ -1,6 +1,8 @@
 // Per-layer key/value cache. Keys are stored after RoPE, with the original position of every entry,
 // per (batch, KV head), so an eviction policy may keep a different set of tokens in each KV head.
 // Storage grows geometrically (amortised O(1) appends); keys()/values() are views of the live prefix.
+// Entries that require grad (a budgeted forward trained end to end) are never written in place: that layer
+// is rebuilt by cat/gather, so what attention saved for its backward stays intact.
 #pragma once
 #include <ATen/core/Tensor.h>
 

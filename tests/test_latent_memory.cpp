@@ -5,8 +5,10 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/elu.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/log.h>
+#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/matmul.h>
@@ -25,6 +27,7 @@
 #include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "golden_reader.h"
+#include "losses/distillation.h"
 #include "modules/backbone.h"
 #include "modules/indexer.h"
 #include "modules/latent_memory.h"
@@ -277,6 +280,77 @@ TEST_F(MemPolicy, TrainingLossReachesEveryMemoryParameter) {
     EXPECT_TRUE(method.eval_policy()->memory());  // the periodic eval runs h2o+mem
     EXPECT_EQ(method.metadata().at("memory_read"), memory_read_name(read));
   }
+}
+
+// memory.loss kl is the engine's own budgeted forward, scored where the memory can matter: at each budget,
+// KL(full model || the "+mem" policy's chunked forward) over the positions of the chunks after the first
+// eviction, averaged over budgets — computed here apart, with full vocabulary logits — and its gradient
+// reaches every memory parameter (layer 0's through the layers above it).
+TEST_F(MemPolicy, EndToEndKlLossIsTheEnginesForwardScoredAfterTheFirstEviction) {
+  const test::TinyModel& f = tiny_model();
+  const std::int64_t T = f.tokens.size(1);
+  for (const std::string& policy_name : {"h2o", "indexmem"}) {  // evicting after attention, and before it
+    SCOPED_TRACE(policy_name);
+    MemorySettings s;
+    s.memory.read = MemoryRead::Slot;
+    s.memory.dim = 4;
+    s.loss = MemoryLoss::Kl;
+    s.loss_block_rows = 7;  // blocks that do not divide the rows
+    s.policy = policy_name;
+    s.base_modules = test::tiny_learned_modules();
+    s.budgets = {8, 20};
+    s.chunk = 5;
+    MemoryMethod method(*f.model, s, 1);
+    Batch batch;
+    batch.inputs = f.tokens;
+    batch.targets = at::cat({f.tokens.narrow(1, 1, T - 1), at::full({1, 1}, -1, f.tokens.options())}, 1);
+    batch.weights = at::ones({1, T});
+    batch.weights.narrow(1, T - 1, 1).zero_();
+    const StepLoss loss = method.loss(batch);
+
+    // The same KL apart, through full [B, T, V] logits in float64 and (the error to allow) in float32.
+    double expected = 0, plain_float32 = 0;
+    {
+      const at::NoGradGuard no_grad;
+      KVCache full_cache = f.model->make_cache();
+      const at::Tensor teacher = f.model->forward_hidden(f.tokens, full_cache);
+      for (std::int64_t budget : s.budgets) {
+        auto policy = method.eval_policy();
+        BudgetedHook hook(*policy, budget);
+        KVCache cache = f.model->make_cache();
+        std::vector<at::Tensor> hidden;
+        std::int64_t first_scored = -1;
+        for (std::int64_t t = 0; t < T; t += 5) {
+          const std::int64_t before = hook.budgeted().evictions();
+          hidden.push_back(f.model->forward_hidden(f.tokens.narrow(1, t, 5), cache, hook.get()));
+          const bool scored = before > 0 || (policy->pre_evicts() && hook.budgeted().evictions() > before);
+          if (scored && first_scored < 0) first_scored = t;
+        }
+        ASSERT_GT(first_scored, 0);
+        const at::Tensor w = batch.weights.clone();  // positions from the first scored chunk on
+        w.narrow(1, 0, first_scored).zero_();
+        const at::Tensor student = at::cat(hidden, 1), head = f.model->lm_head();
+        const double n = static_cast<double>(s.budgets.size());
+        const at::Tensor log_p = at::log_softmax(at::matmul(teacher.to(at::kDouble), head.to(at::kDouble).t()), -1);
+        const at::Tensor log_q = at::log_softmax(at::matmul(student.to(at::kDouble), head.to(at::kDouble).t()), -1);
+        const at::Tensor kl = (log_p.exp() * (log_p - log_q)).sum(-1);  // [B, T]
+        expected += ((kl * w.to(at::kDouble)).sum() / w.sum()).item<double>() / n;
+        plain_float32 += losses::distillation_loss_reference(student, teacher, head, batch.targets, w).kl.item<double>() / n;
+      }
+    }
+    EXPECT_GT(expected, 0);
+    EXPECT_LE(std::abs(loss.total.item<double>() - expected), 2 * std::abs(plain_float32 - expected) + 1e-9 * expected)
+        << loss.total.item<double>() << " vs " << expected << " (float32 formula " << plain_float32 << ")";
+    EXPECT_TRUE(loss.stats.count("kl_M8") && loss.stats.count("kl_M20"));
+    EXPECT_TRUE(loss.per_layer.empty());
+    loss.total.backward();
+    for (const auto& [name, p] : method.named_parameters()) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_GT(p.grad().abs().max().item<double>(), 0) << name;
+    }
+    EXPECT_EQ(method.metadata().at("memory_loss"), "kl");
+  }
+  EXPECT_THROW(parse_memory_loss("ce"), Error);
 }
 
 // Layer 0 sees the same input with or without eviction upstream, so the trainer's replay of layer 0 must

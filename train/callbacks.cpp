@@ -63,7 +63,7 @@ void MetricsLog::on_step(const Trainer& trainer, const StepReport& r) {
                       {"grad_norm", r.grad_norm}, {"tokens", r.tokens_seen}, {"tokens_per_s", static_cast<double>(r.tokens) / r.seconds}};
   for (const auto& [k, v] : r.terms) j[k] = v;
   for (const auto& [k, v] : r.stats) j[k] = v;
-  j[trainer.method().per_layer_name()] = r.per_layer;
+  if (!r.per_layer.empty()) j[trainer.method().per_layer_name()] = r.per_layer;  // a loss may have no per-layer term
   write(j);
 }
 

@@ -2,7 +2,11 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros_like.h>
+
 #include "base/errors.h"
+#include "losses/distillation.h"
 #include "losses/memory_mse.h"
 #include "modules/budgeted_cache.h"
 #include "modules/memory_cache.h"
@@ -53,7 +57,60 @@ MemoryMethod::MemoryMethod(const Backbone& model, const MemorySettings& settings
     if (b < 1) fail("config", "memory.budgets", "every budget must be >= 1, got " + std::to_string(b));
 }
 
+MemoryLoss parse_memory_loss(const std::string& name) {
+  if (name == "mse") return MemoryLoss::Mse;
+  if (name == "kl") return MemoryLoss::Kl;
+  fail("config", "memory.loss", "must be mse or kl, got '" + name + "'");
+}
+
 StepLoss MemoryMethod::loss(const Batch& batch) {
+  return settings_.loss == MemoryLoss::Kl ? kl_loss(batch) : mse_loss(batch);
+}
+
+StepLoss MemoryMethod::kl_loss(const Batch& batch) {
+  at::Tensor teacher_hidden;
+  {
+    const at::NoGradGuard no_grad;
+    KVCache cache = model_.make_cache();
+    teacher_hidden = model_.forward_hidden(batch.inputs, cache);
+  }
+  const std::int64_t T = batch.inputs.size(1);
+  at::Tensor kl_sum;
+  std::int64_t budgets_used = 0;
+  StepLoss out;
+  for (std::int64_t budget : settings_.budgets) {
+    // The engine's forward (eval/continuation's prefill), with gradients: no chunk is replayed on teacher inputs.
+    auto policy = with_memory_.make(seed_);
+    BudgetedHook hook(*policy, budget);
+    KVCache cache = model_.make_cache();
+    std::vector<at::Tensor> hidden, weights;
+    bool any_scored = false;
+    for (std::int64_t s = 0; s < T; s += settings_.chunk) {
+      const std::int64_t n = std::min(settings_.chunk, T - s);
+      // As in the MSE replay: a chunk is scored once its attention ran after an eviction (an earlier chunk's, or
+      // its own pre-eviction); before that the memory is empty and the output is the full model's.
+      const std::int64_t evictions_before = hook.budgeted().evictions();
+      hidden.push_back(model_.forward_hidden(batch.inputs.narrow(1, s, n), cache, hook.get()));
+      const bool scored = evictions_before > 0 || (policy->pre_evicts() && hook.budgeted().evictions() > evictions_before);
+      const at::Tensor w = batch.weights.narrow(1, s, n);
+      weights.push_back(scored ? w : at::zeros_like(w));
+      any_scored = any_scored || scored;
+    }
+    const at::Tensor w = at::cat(weights, 1);
+    if (!any_scored || w.sum().item<double>() == 0) continue;  // rows too short for this budget to evict
+    const losses::DistillationTerms d = losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, model_.lm_head(),
+                                                                  batch.targets, w, settings_.loss_block_rows);
+    out.stats["kl_M" + std::to_string(budget)] = d.kl.item<double>();
+    kl_sum = kl_sum.defined() ? kl_sum + d.kl : d.kl;
+    ++budgets_used;
+  }
+  if (budgets_used == 0) return layer_mean_loss({}, 0, "kl", memory_->parameters());
+  out.total = kl_sum / static_cast<double>(budgets_used);
+  out.terms = {{"kl", out.total}};
+  return out;
+}
+
+StepLoss MemoryMethod::mse_loss(const Batch& batch) {
   TeacherCapture teacher;
   {
     const at::NoGradGuard no_grad;
@@ -118,7 +175,8 @@ std::map<std::string, std::string> MemoryMethod::metadata() const {
             {"memory_policy", settings_.policy},
             {"memory_read", memory_read_name(memory_->read_mode())},
             {"memory_budgets", budgets},
-            {"memory_chunk", std::to_string(settings_.chunk)}});
+            {"memory_chunk", std::to_string(settings_.chunk)},
+            {"memory_loss", settings_.loss == MemoryLoss::Kl ? "kl" : "mse"}});
   return m;
 }
 
@@ -129,6 +187,9 @@ MemorySettings memory_settings(const MethodSetup& setup) {
   if (m.memory.dim < 1) fail("config", "memory.dim", "must be >= 1");
   m.memory.read = parse_memory_read(c.get_string("memory.read"), "config", "memory.read");
   m.memory.gate_bias_init = initial_gate_bias(m.memory.read);
+  m.loss = parse_memory_loss(c.get_string("memory.loss"));
+  m.loss_block_rows = c.get_int("train.loss_block_rows");
+  if (m.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
   m.policy = c.get_string("memory.policy");
   if (m.policy.size() > 4 && m.policy.substr(m.policy.size() - 4) == "+mem")
     fail("config", "memory.policy", "the base policy, without +mem (got '" + m.policy + "')");
@@ -203,6 +264,9 @@ extern const MethodRegistration memory{
           .add("memory.read", ConfigType::String, "slot",
                "how the read enters attention: slot (one more softmax entry beside the retained keys, logit "
                "log(q.z / d_m) + w.q + c; c starts at 0) | add (o + g(q) m(q); gate bias starts at -4)")
+          .add("memory.loss", ConfigType::String, "mse",
+               "what the memory matches: mse (each layer's full-attention output, on the teacher's q/k/v) | kl (the "
+               "full model's next-token distribution through the budgeted forward, end to end; slower)")
           .add("memory.policy", ConfigType::String, "h2o",
                "base eviction policy the memory is trained (and evaluated) with; a learned one (trimkv, indexmem) "
                "starts from train.init_from")

@@ -6,6 +6,13 @@
 // eval — and L_MSE (losses/memory_mse.h) is averaged over layers and budgets. Only the memory's parameters
 // get gradients: the teacher tensors are constants. Registered as train.method memory; evaluated by
 // "<memory.policy>+mem".
+//
+// memory.loss kl trains the same memory end to end instead: at each budget the engine's own chunked forward
+// (the budgeted cache under the base policy, the memory hook, every layer fed by the layers below it as in
+// eval) runs with gradients, and the loss is KL(teacher ‖ student) of the next-token distributions over the
+// real positions of the chunks after the first eviction (losses/distillation.h), averaged over budgets. The
+// local MSE sees each layer on the teacher's inputs; the KL also sees how a read's error compounds through
+// the layers above it, and weighs errors by what they do to the prediction, which is what eval measures.
 #pragma once
 #include <string>
 #include <vector>
@@ -19,8 +26,15 @@
 
 namespace kvbound {
 
+// What the memory is trained to match: each layer's full-attention output (mse, local) or the full model's
+// next-token distribution through the budgeted forward (kl, end to end).
+enum class MemoryLoss { Mse, Kl };
+MemoryLoss parse_memory_loss(const std::string& name);
+
 struct MemorySettings {
   LatentMemorySettings memory;
+  MemoryLoss loss = MemoryLoss::Mse;
+  std::int64_t loss_block_rows = 128;         // kl: positions whose vocabulary logits exist at once
   std::string policy = "h2o";                // the base policy the memory will be used with
   std::vector<std::int64_t> budgets{16, 32};  // replayed budgets M (a memory trained at one M hurt at 4x that)
   std::int64_t chunk = 16;                    // replay chunk, like the engine's prefill chunk
@@ -40,9 +54,13 @@ class MemoryMethod final : public TrainingMethod {
   // The base policy with this memory attached ("<policy>+mem"): the periodic eval runs the +mem hook.
   std::unique_ptr<EvictionPolicy> eval_policy() const override { return with_memory_.make(seed_); }
   std::map<std::string, std::string> metadata() const override;
+  // kl has no per-layer term; its per-budget KL goes to the stats instead.
   std::string per_layer_name() const override { return "mse_per_layer"; }
 
  private:
+  StepLoss mse_loss(const Batch& batch);
+  StepLoss kl_loss(const Batch& batch);
+
   const Backbone& model_;
   MemorySettings settings_;
   std::uint64_t seed_;
