@@ -188,9 +188,9 @@ namespace {
 // The row logsumexp [B, Hq, T, 1] of q [B, Hq, T, D] over keys [B, Hkv, N, D], the chunk's T queries being the
 // last T positions: query t sees keys 0 … N − T + t, which is the first chunk's causal mask (N = T), a later
 // chunk's mask (everything cached + causal within the chunk) and a single token's (everything) alike. Formed
-// explicitly: the path of devices whose attention kernel does not hand it out.
+// explicitly: the path of devices whose attention kernel does not hand it out, and of inputs that carry a
+// gradient (the latent memory trained end to end: a slot read's weight depends on it), which it passes on.
 at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys) {
-  const at::NoGradGuard no_grad;  // as the CPU kernel's logsumexp, which carries no gradient
   const std::int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const std::int64_t Hkv = keys.size(1), N = keys.size(2);
   const at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, Hq / Hkv, T, D}),
@@ -216,7 +216,9 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   }
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
-  if (call.wants_logsumexp && call.q.is_cpu()) {
+  // The CPU flash kernel's logsumexp carries no gradient: inputs that need one take the explicit path.
+  const bool differentiable = at::GradMode::is_enabled() && (call.q.requires_grad() || keys.requires_grad());
+  if (call.wants_logsumexp && call.q.is_cpu() && !differentiable) {
     // The kernel SDPA itself runs on the CPU (GQA included), called directly for the logsumexp it computes anyway;
     // it takes the mask additive, in the query's dtype. A private ATen op whose signature follows the pinned
     // torch (2.11): the test AttendOverCache.HandsOutTheLogsumexpOfWhatEachQueryAttended checks it still

@@ -24,6 +24,8 @@ void KVCache::append(std::int64_t layer, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == k.size(2), "KVCache::append: positions must be [T]");
   const std::int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3);
   const std::int64_t need = L.length + T;
+  TORCH_CHECK(!L.k.defined() || (L.k.size(0) == B && L.k.size(1) == H && L.k.size(3) == D),
+              "KVCache::append: shape changed between calls");
   if (tracked(L.k) || tracked(L.v) || (at::GradMode::is_enabled() && (tracked(k) || tracked(v)))) {
     const at::Tensor pos = positions.to(at::kLong).view({1, 1, T}).expand({B, H, T});
     L.k = L.length > 0 ? at::cat({keys(layer), k}, 2) : k;
@@ -46,7 +48,6 @@ void KVCache::append(std::int64_t layer, const at::Tensor& k, const at::Tensor& 
     L.v = nv;
     L.pos = np;
   }
-  TORCH_CHECK(L.k.size(0) == B && L.k.size(1) == H && L.k.size(3) == D, "KVCache::append: shape changed between calls");
   L.k.narrow(2, L.length, T).copy_(k);
   L.v.narrow(2, L.length, T).copy_(v);
   L.pos.narrow(2, L.length, T).copy_(positions.view({1, 1, T}).expand({B, H, T}));

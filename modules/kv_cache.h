@@ -17,7 +17,8 @@ class KVCache {
 
   // Appends a chunk: k, v [B, Hkv, T, D]; positions [T] (int64, the same for every batch row and head).
   void append(std::int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
-  // Keeps, per (batch, KV head), the entries at `index` [B, Hkv, M] (int64, in increasing order), in place.
+  // Keeps, per (batch, KV head), the entries at `index` [B, Hkv, M] (int64, in increasing order): in place, or
+  // by gather when the entries require grad.
   void retain(std::int64_t layer, const at::Tensor& index);
 
   at::Tensor keys(std::int64_t layer) const;       // [B, Hkv, N, D]

@@ -1,10 +1,12 @@
-// attend_over_cache, the backbone's one attention path: the row logsumexp it hands a hook that asks for it.
+// attend_over_cache, the backbone's one attention path: the row logsumexp it hands a hook that asks for it, with
+// a gradient when its inputs carry one.
 // In kvbound_device_tests so the GPU machine runs the CUDA branch too (scripts/gpu_check.sh).
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
@@ -66,6 +68,45 @@ TEST(AttendOverCache, HandsOutTheLogsumexpOfWhatEachQueryAttended) {
         start += T;
       }
     }
+  }
+}
+
+// Inputs that carry a gradient (the latent memory's end-to-end loss) get a logsumexp that passes it on:
+// d Σ lse / d q_t = Σ_j p_tj k_j / √D over the entries query t attended (float64 formula), on a chunk after
+// cached entries, GQA, with the attention output still SDPA's.
+TEST(AttendOverCache, LogsumexpCarriesTheGradientOfInputsThatNeedOne) {
+  std::vector<c10::Device> devices{c10::kCPU};
+  if (load_cuda_kernels() && at::hasCUDA()) devices.emplace_back(c10::kCUDA);
+  for (const c10::Device device : devices) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+    KVCache cache(1);
+    AttentionCall first;
+    first.q = at::randn({2, 6, 4, 16}, opts);
+    first.k = at::randn({2, 2, 4, 16}, opts);
+    first.v = at::randn({2, 2, 4, 16}, opts);
+    first.positions = at::arange(0, 4, at::TensorOptions().dtype(at::kLong).device(device));
+    attend_over_cache(first, cache, nullptr);
+    cache.advance(4);
+    AttentionCall call;
+    call.q = at::randn({2, 6, 3, 16}, opts).requires_grad_(true);
+    call.k = at::randn({2, 2, 3, 16}, opts);
+    call.v = at::randn({2, 2, 3, 16}, opts);
+    call.positions = at::arange(4, 7, at::TensorOptions().dtype(at::kLong).device(device));
+    call.wants_logsumexp = true;
+    attend_over_cache(call, cache, nullptr);
+    const std::string where = device.str();
+    ASSERT_TRUE(call.logsumexp.requires_grad()) << where;
+    call.logsumexp.sum().backward();
+
+    const at::Tensor keys = cache.keys(0).to(at::kDouble).repeat_interleave(3, 1);  // [2, 6, 7, 16]
+    const at::Tensor q = call.q.detach().to(at::kDouble);
+    at::Tensor scores = at::matmul(q, keys.transpose(-1, -2)) / 4.0;  // [2, 6, 3, 7]
+    for (std::int64_t t = 0; t < 3; ++t) scores.narrow(2, t, 1).narrow(3, 5 + t, 2 - t).fill_(-INFINITY);
+    const at::Tensor want_grad = at::matmul(at::softmax(scores, -1), keys) / 4.0;
+    EXPECT_LE(max_abs_diff(call.q.grad().to(at::kDouble), want_grad), 1e-5) << where;
+    EXPECT_LE(max_abs_diff(call.logsumexp.detach().to(at::kDouble), at::logsumexp(scores, -1, true)), 1e-5) << where;
+    const at::Tensor values = cache.values(0).to(at::kDouble).repeat_interleave(3, 1);
+    EXPECT_LE(max_abs_diff(call.output.detach().to(at::kDouble), at::matmul(at::softmax(scores, -1), values)), 1e-5) << where;
   }
 }
 

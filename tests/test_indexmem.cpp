@@ -326,6 +326,17 @@ TEST(IndexMemCli, StageTwoStartsFromStageOneFrozenOrJoint) {
   EXPECT_EQ(frozen.tensors.size(), 5u * 5u);  // the memory only: the indexer stayed stage 1's
   EXPECT_EQ(frozen.metadata.at("memory_policy"), "indexmem");
 
+  // memory.loss kl: the same memory trained end to end; each step logs the KL per budget, no per-layer MSE.
+  ASSERT_EQ(test::run_kvbound(stage2_yaml("frozen_kl", "memory") + " --set memory.loss=kl", &out, &err), 0) << err;
+  for (const auto& j : test::read_jsonl(dir / "frozen_kl/metrics.jsonl")) {
+    EXPECT_GT(j["kl"].get<double>(), 0.0) << j.dump();
+    EXPECT_NEAR(j["kl"].get<double>(), (j["kl_M8"].get<double>() + j["kl_M12"].get<double>()) / 2, 1e-6) << j.dump();
+    EXPECT_FALSE(j.contains("mse") || j.contains("mse_per_layer")) << j.dump();
+  }
+  // Joint's objective is the indexer's KL + lambda · the memory's MSE: an end-to-end memory loss is refused.
+  EXPECT_EQ(test::run_kvbound(stage2_yaml("joint_kl", "joint") + " --set memory.loss=kl", &out, &err), 1);
+  EXPECT_NE(err.find("config: memory.loss: "), std::string::npos) << err;
+
   ASSERT_EQ(test::run_kvbound(stage2_yaml("joint", "joint"), &out, &err), 0) << err;
   const auto lines = test::read_jsonl(dir / "joint/metrics.jsonl");
   ASSERT_EQ(lines.size(), 2u);

@@ -308,8 +308,9 @@ TEST_F(MemPolicy, EndToEndKlLossIsTheEnginesForwardScoredAfterTheFirstEviction) 
     batch.weights.narrow(1, T - 1, 1).zero_();
     const StepLoss loss = method.loss(batch);
 
-    // The same KL apart, through full [B, T, V] logits in float64 and (the error to allow) in float32.
-    double expected = 0, plain_float32 = 0;
+    // The same KL apart from a separate no-grad engine run: through the blocked loss itself (the same float32
+    // arithmetic on the same hidden states) and through full [B, T, V] logits in float64.
+    double same_formula = 0, float64 = 0;
     {
       const at::NoGradGuard no_grad;
       KVCache full_cache = f.model->make_cache();
@@ -331,16 +332,19 @@ TEST_F(MemPolicy, EndToEndKlLossIsTheEnginesForwardScoredAfterTheFirstEviction) 
         w.narrow(1, 0, first_scored).zero_();
         const at::Tensor student = at::cat(hidden, 1), head = f.model->lm_head();
         const double n = static_cast<double>(s.budgets.size());
+        same_formula += losses::distillation_loss(student, teacher, head, batch.targets, w, 7).kl.item<double>() / n;
         const at::Tensor log_p = at::log_softmax(at::matmul(teacher.to(at::kDouble), head.to(at::kDouble).t()), -1);
         const at::Tensor log_q = at::log_softmax(at::matmul(student.to(at::kDouble), head.to(at::kDouble).t()), -1);
         const at::Tensor kl = (log_p.exp() * (log_p - log_q)).sum(-1);  // [B, T]
-        expected += ((kl * w.to(at::kDouble)).sum() / w.sum()).item<double>() / n;
-        plain_float32 += losses::distillation_loss_reference(student, teacher, head, batch.targets, w).kl.item<double>() / n;
+        float64 += ((kl * w.to(at::kDouble)).sum() / w.sum()).item<double>() / n;
       }
     }
-    EXPECT_GT(expected, 0);
-    EXPECT_LE(std::abs(loss.total.item<double>() - expected), 2 * std::abs(plain_float32 - expected) + 1e-9 * expected)
-        << loss.total.item<double>() << " vs " << expected << " (float32 formula " << plain_float32 << ")";
+    EXPECT_GT(float64, 0);
+    // The KL here is ~1e-5, a difference of nearly equal float32 log-probabilities: the grad path's attention
+    // (SDPA with autograd, the logsumexp formed apart) rounds differently from the no-grad run by ~1e-9 absolute. A
+    // wrong mask or budget average moves it by whole chunks' shares (> 10 %).
+    EXPECT_NEAR(loss.total.item<double>(), same_formula, 2e-3 * same_formula);
+    EXPECT_NEAR(loss.total.item<double>(), float64, 1e-2 * float64);
     EXPECT_TRUE(loss.stats.count("kl_M8") && loss.stats.count("kl_M20"));
     EXPECT_TRUE(loss.per_layer.empty());
     loss.total.backward();

@@ -59,6 +59,8 @@ std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
   auto kl = std::make_unique<IndexMemIndexerMethod>(setup.model, indexmem_settings(c, indexer->settings()), indexer);
   // The memory replays the indexmem policy with the live indexer, so it learns what the indexer evicts now.
   MemorySettings m = memory_settings(setup);
+  if (m.loss != MemoryLoss::Mse)  // its objective is L_KL (the indexer's) + lambda * L_MSE (the memory's)
+    fail("config", "memory.loss", "train.method joint trains the memory with mse; kl is train.method memory's");
   m.policy = "indexmem";
   m.base_modules = TrainedModules();
   m.base_modules.add<Indexer>(indexer);

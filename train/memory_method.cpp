@@ -97,7 +97,10 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
       any_scored = any_scored || scored;
     }
     const at::Tensor w = at::cat(weights, 1);
-    if (!any_scored || w.sum().item<double>() == 0) continue;  // rows too short for this budget to evict
+    // Every step logs every budget (data-parallel ranks reduce the stats by name): 0 where rows too short for this
+    // budget to evict scored nothing.
+    out.stats["kl_M" + std::to_string(budget)] = 0;
+    if (!any_scored || w.sum().item<double>() == 0) continue;
     const losses::DistillationTerms d = losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, model_.lm_head(),
                                                                   batch.targets, w, settings_.loss_block_rows);
     out.stats["kl_M" + std::to_string(budget)] = d.kl.item<double>();
