@@ -63,6 +63,8 @@ MemoryLoss parse_memory_loss(const std::string& name) {
   fail("config", "memory.loss", "must be mse or kl, got '" + name + "'");
 }
 
+std::string memory_loss_name(MemoryLoss loss) { return loss == MemoryLoss::Kl ? "kl" : "mse"; }
+
 StepLoss MemoryMethod::loss(const Batch& batch) {
   return settings_.loss == MemoryLoss::Kl ? kl_loss(batch) : mse_loss(batch);
 }
@@ -84,7 +86,6 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
     BudgetedHook hook(*policy, budget);
     KVCache cache = model_.make_cache();
     std::vector<at::Tensor> hidden, weights;
-    bool any_scored = false;
     for (std::int64_t s = 0; s < T; s += settings_.chunk) {
       const std::int64_t n = std::min(settings_.chunk, T - s);
       // As in the MSE replay: a chunk is scored once its attention ran after an eviction (an earlier chunk's, or
@@ -94,16 +95,18 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
       const bool scored = evictions_before > 0 || (policy->pre_evicts() && hook.budgeted().evictions() > evictions_before);
       const at::Tensor w = batch.weights.narrow(1, s, n);
       weights.push_back(scored ? w : at::zeros_like(w));
-      any_scored = any_scored || scored;
     }
     const at::Tensor w = at::cat(weights, 1);
-    // Every step logs every budget (data-parallel ranks reduce the stats by name): 0 where rows too short for this
-    // budget to evict scored nothing.
-    out.stats["kl_M" + std::to_string(budget)] = 0;
-    if (!any_scored || w.sum().item<double>() == 0) continue;
+    // Every step logs every budget (data-parallel ranks reduce the stats by name): 0 where nothing was scored
+    // (rows too short for this budget to evict).
+    const std::string stat = "kl_M" + std::to_string(budget);
+    if (w.sum().item<double>() == 0) {
+      out.stats[stat] = 0;
+      continue;
+    }
     const losses::DistillationTerms d = losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, model_.lm_head(),
                                                                   batch.targets, w, settings_.loss_block_rows);
-    out.stats["kl_M" + std::to_string(budget)] = d.kl.item<double>();
+    out.stats[stat] = d.kl.item<double>();
     kl_sum = kl_sum.defined() ? kl_sum + d.kl : d.kl;
     ++budgets_used;
   }
@@ -179,7 +182,7 @@ std::map<std::string, std::string> MemoryMethod::metadata() const {
             {"memory_read", memory_read_name(memory_->read_mode())},
             {"memory_budgets", budgets},
             {"memory_chunk", std::to_string(settings_.chunk)},
-            {"memory_loss", settings_.loss == MemoryLoss::Kl ? "kl" : "mse"}});
+            {"memory_loss", memory_loss_name(settings_.loss)}});
   return m;
 }
 

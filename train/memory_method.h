@@ -30,6 +30,7 @@ namespace kvbound {
 // next-token distribution through the budgeted forward (kl, end to end).
 enum class MemoryLoss { Mse, Kl };
 MemoryLoss parse_memory_loss(const std::string& name);
+std::string memory_loss_name(MemoryLoss loss);
 
 struct MemorySettings {
   LatentMemorySettings memory;
