@@ -54,6 +54,17 @@ std::shared_ptr<const LatentMemory> memory_with_gate_bias(double cg, MemoryRead 
   return std::make_shared<const LatentMemory>(LatentMemory::from_tensors(t, c, read, "test"));
 }
 
+// The whole sequence as one training row: each position's target is the next token; the last has none (no weight).
+Batch next_token_batch(const at::Tensor& tokens) {
+  const std::int64_t T = tokens.size(1);
+  Batch batch;
+  batch.inputs = tokens;
+  batch.targets = at::cat({tokens.narrow(1, 1, T - 1), at::full({1, 1}, -1, tokens.options())}, 1);
+  batch.weights = at::ones({1, T});
+  batch.weights.narrow(1, T - 1, 1).zero_();
+  return batch;
+}
+
 // Chunked prefill of `prefill` tokens, then token-by-token decode, through the engine's hook; every logit.
 at::Tensor run(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
                std::shared_ptr<const LatentMemory> memory) {
@@ -301,11 +312,7 @@ TEST_F(MemPolicy, EndToEndKlLossIsTheEnginesForwardScoredAfterTheFirstEviction) 
     s.budgets = {8, 20};
     s.chunk = 5;
     MemoryMethod method(*f.model, s, 1);
-    Batch batch;
-    batch.inputs = f.tokens;
-    batch.targets = at::cat({f.tokens.narrow(1, 1, T - 1), at::full({1, 1}, -1, f.tokens.options())}, 1);
-    batch.weights = at::ones({1, T});
-    batch.weights.narrow(1, T - 1, 1).zero_();
+    const Batch batch = next_token_batch(f.tokens);
     const StepLoss loss = method.loss(batch);
 
     // The same KL apart from a separate no-grad engine run: through the blocked loss itself (the same float32
@@ -360,11 +367,11 @@ TEST_F(MemPolicy, EndToEndKlLossIsTheEnginesForwardScoredAfterTheFirstEviction) 
 // The KL loss's gradient is the whole derivative: a central difference along it equals its norm. The budgeted
 // forward must keep the graph through the KV cache (a later chunk reads the keys and values an earlier chunk's
 // memory read shaped): a cache that detached its entries would drop that share of the gradient while the loss and
-// every parameter's gradient stayed non-zero (measured: its gradient norm is 21 % below the difference; this path is within 0.1 %). streaming_llm
-// evicts by position, so no perturbation flips a decision; steps below ~1e-2 drown in float32 rounding.
+// every parameter's gradient stayed non-zero (measured: its gradient norm is 21 % below the difference; this path
+// is within 0.1 %). streaming_llm evicts by position, so no perturbation flips a decision; steps below ~1e-2 drown
+// in float32 rounding.
 TEST_F(MemPolicy, EndToEndKlGradientEqualsAFiniteDifferenceThroughTheCache) {
   const test::TinyModel& f = tiny_model();
-  const std::int64_t T = f.tokens.size(1);
   MemorySettings s;
   s.memory.read = MemoryRead::Slot;
   s.memory.dim = 4;
@@ -374,11 +381,7 @@ TEST_F(MemPolicy, EndToEndKlGradientEqualsAFiniteDifferenceThroughTheCache) {
   s.budgets = {8, 20};
   s.chunk = 5;
   MemoryMethod method(*f.model, s, 1);
-  Batch batch;
-  batch.inputs = f.tokens;
-  batch.targets = at::cat({f.tokens.narrow(1, 1, T - 1), at::full({1, 1}, -1, f.tokens.options())}, 1);
-  batch.weights = at::ones({1, T});
-  batch.weights.narrow(1, T - 1, 1).zero_();
+  const Batch batch = next_token_batch(f.tokens);
   method.loss(batch).total.backward();
   double norm2 = 0;
   for (const auto& [name, p] : method.named_parameters()) norm2 += p.grad().pow(2).sum().item<double>();
