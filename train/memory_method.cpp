@@ -43,6 +43,13 @@ TrainedModules with_live_memory(TrainedModules modules, const std::shared_ptr<La
   return modules;
 }
 
+// Whether a chunk's attention ran after an eviction, so that the memory could shape its output: an earlier
+// chunk's eviction, or this chunk's own pre-eviction (a pre-evicting policy cuts only before attention; any other
+// policy's cut during the call came after the chunk's attention). Before that, the output is the full model's.
+bool attended_after_an_eviction(const EvictionPolicy& policy, std::int64_t evictions_before, std::int64_t evictions_after) {
+  return evictions_before > 0 || (policy.pre_evicts() && evictions_after > evictions_before);
+}
+
 }  // namespace
 
 MemoryMethod::MemoryMethod(const Backbone& model, const MemorySettings& settings, std::uint64_t seed)
@@ -88,11 +95,9 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
     std::vector<at::Tensor> hidden, weights;
     for (std::int64_t s = 0; s < T; s += settings_.chunk) {
       const std::int64_t n = std::min(settings_.chunk, T - s);
-      // As in the MSE replay: a chunk is scored once its attention ran after an eviction (an earlier chunk's, or
-      // its own pre-eviction); before that the memory is empty and the output is the full model's.
       const std::int64_t evictions_before = hook.budgeted().evictions();
       hidden.push_back(model_.forward_hidden(batch.inputs.narrow(1, s, n), cache, hook.get()));
-      const bool scored = evictions_before > 0 || (policy->pre_evicts() && hook.budgeted().evictions() > evictions_before);
+      const bool scored = attended_after_an_eviction(*policy, evictions_before, hook.budgeted().evictions());
       const at::Tensor w = batch.weights.narrow(1, s, n);
       weights.push_back(scored ? w : at::zeros_like(w));
     }
@@ -141,9 +146,7 @@ StepLoss MemoryMethod::mse_loss(const Batch& batch) {
     for (std::int64_t s = 0; s < T; s += settings_.chunk) {
       const std::int64_t n = std::min(settings_.chunk, T - s);
       // Before the first eviction o equals o_full and the memory is empty: such chunks teach nothing. Every
-      // layer holds as many entries, so layer 0 decides for the chunk whether its attention ran after an
-      // eviction: one of an earlier chunk, or this chunk's own pre-eviction (a pre-evicting policy cuts only
-      // before attention; any other policy's cut during this call came after the chunk's attention).
+      // layer holds as many entries, so layer 0 decides for the chunk.
       const std::int64_t evictions_before = budgeted.evictions();
       bool scored = false;
       const at::Tensor mask = real.narrow(2, s, n);
@@ -152,7 +155,7 @@ StepLoss MemoryMethod::mse_loss(const Batch& batch) {
         AttentionCall call = chunk_of(full, s, n);
         attend_over_cache(call, cache, &hook);  // the eval's order: pre-evict, attend, read, evict, o += g·m
         if (l == 0)
-          scored = evictions_before > 0 || (policy->pre_evicts() && budgeted.evictions() > evictions_before);
+          scored = attended_after_an_eviction(*policy, evictions_before, budgeted.evictions());
         if (scored) mse.add(l, call.output, full.output.narrow(2, s, n), mask);
       }
       cache.advance(n);
