@@ -14,6 +14,7 @@
 
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "eval/plot_axis.h"
 
 namespace kvbound {
 namespace {
@@ -64,19 +65,21 @@ SeriesStyle style_for_index(std::size_t index) {
 struct MetricPlot {
   const char* metric;
   const char* quantity;  // the plot's title is "<quantity> vs <the x axis>"
-  const char* y_label;
-  double upper_bound;  // fractions never exceed 1, so the padded axis stops there
+  const char* y_label;    // the value and its unit
+  const char* direction;  // "lower is better" or "higher is better", after the label
+  double upper_bound;   // fractions never exceed 1, so the padded axis stops there
+  bool log_when_wide;   // a log axis when the values span a factor of 10 or more (plot_axis.h)
 };
 
 const std::vector<MetricPlot>& metric_plots() {
   constexpr double kNoBound = std::numeric_limits<double>::infinity();
   static const std::vector<MetricPlot> plots = {
       {metric::kKlToFull, "KL divergence to the full cache",
-       "KL(p_full \u2016 p_budgeted), nats/token  (lower is better)", kNoBound},
+       "KL(p_full \u2016 p_budgeted), nats/token", "lower is better", kNoBound, true},
       {metric::kTop1Agree, "Top-1 agreement with the full cache",
-       "top-1 agreement with full cache  (higher is better)", 1.0},
-      {metric::kNll, "Next-token NLL", "NLL, nats/token  (lower is better)", kNoBound},
-      {metric::kRetrievalAcc, "Retrieval accuracy", "retrieval accuracy  (higher is better)", 1.0},
+       "top-1 agreement with full cache", "higher is better", 1.0, false},
+      {metric::kNll, "Next-token NLL", "NLL, nats/token", "lower is better", kNoBound, false},
+      {metric::kRetrievalAcc, "Retrieval accuracy", "retrieval accuracy", "higher is better", 1.0, false},
   };
   return plots;
 }
@@ -97,36 +100,6 @@ struct XAxis {
   std::string title;    // under the axis
   std::string against;  // in the plot title: "<quantity> vs <against>"
 };
-
-struct ValueAxis {
-  double tick_lo, tick_hi, step;  // ticks at tick_lo, tick_lo + step, ..., tick_hi
-  int decimals;                   // tick label precision
-  double view_lo, view_hi;        // the range the plot shows
-};
-
-// Ticks covering `values` with a little padding, kept within [0, upper_bound] (every quality metric is
-// non-negative) and widened to whole multiples of a 1/2/5 x 10^k step. The view extends a little past
-// the outer ticks so that a line at a bound (the full cache's KL of 0, agreement of 1) does not hide
-// under the plot frame.
-ValueAxis nice_y_axis(const std::vector<double>& values, double upper_bound) {
-  double lo = *std::min_element(values.begin(), values.end());
-  double hi = *std::max_element(values.begin(), values.end());
-  double span = hi - lo;
-  if (span <= 0.0) span = std::max(std::fabs(hi) * 0.1, 1e-3);
-  lo = std::max(0.0, lo - 0.06 * span);
-  hi = std::min(upper_bound, hi + 0.06 * span);
-  if (hi <= lo) hi = lo + span;
-  const double raw_step = (hi - lo) / 5.0;
-  const double magnitude = std::pow(10.0, std::floor(std::log10(raw_step)));
-  const double normalised = raw_step / magnitude;
-  const double step = (normalised < 1.5 ? 1.0 : normalised < 3.0 ? 2.0 : normalised < 7.0 ? 5.0 : 10.0) * magnitude;
-  // The small tolerance keeps a bound that is already a multiple of the step from growing a tick.
-  const double axis_lo = std::floor(lo / step + 1e-9) * step;
-  const double axis_hi = std::ceil(hi / step - 1e-9) * step;
-  const int decimals = std::max(0, static_cast<int>(-std::floor(std::log10(step) + 1e-9)));
-  const double margin = 0.03 * (axis_hi - axis_lo);
-  return {axis_lo, axis_hi, step, decimals, axis_lo - margin, axis_hi + margin};
-}
 
 using CairoSurface = std::unique_ptr<cairo_surface_t, decltype(&cairo_surface_destroy)>;
 using CairoContext = std::unique_ptr<cairo_t, decltype(&cairo_destroy)>;
@@ -224,12 +197,6 @@ class Canvas {
   cairo_t* cr_;
 };
 
-std::string tick_label(double value, int decimals) {
-  char buffer[48];
-  std::snprintf(buffer, sizeof buffer, "%.*f", decimals, value);
-  return buffer;
-}
-
 // Shortens `text` with a trailing ellipsis until it fits `max_width` in the current font.
 std::string fit_text(Canvas& canvas, std::string text, double max_width) {
   if (canvas.text_width(text) <= max_width) return text;
@@ -248,7 +215,7 @@ cairo_status_t append_png_bytes(void* closure, const unsigned char* data, unsign
 }
 
 // Renders one metric's plot and returns the PNG bytes.
-std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::vector<Series>& series,
+std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::vector<Series>& all_series,
                         const std::string& subtitle, const std::string& path) {
   CairoSurface surface(cairo_image_surface_create(CAIRO_FORMAT_ARGB32, kWidth, kHeight), cairo_surface_destroy);
   CairoContext context(cairo_create(surface.get()), cairo_destroy);
@@ -264,21 +231,23 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
   canvas.colour({1.0, 1.0, 1.0});
   cairo_paint(cr);
 
-  std::vector<double> values;
-  for (const Series& s : series) {
-    for (const auto& [x, value] : s.points) values.push_back(value);
+  // A log axis is chosen on the lines alone; a reference line outside their range (the full cache's KL,
+  // 0 up to rounding) is then left out, legend entry included. A linear axis covers the references too.
+  std::vector<double> values, line_values;
+  for (const Series& s : all_series) {
+    for (const auto& [x, value] : s.points) line_values.push_back(value);
     if (s.has_reference()) values.push_back(s.reference);
   }
-  const ValueAxis y_axis = nice_y_axis(values, spec.upper_bound);
+  values.insert(values.end(), line_values.begin(), line_values.end());
+  ValueAxis y_axis = value_axis(line_values, spec.upper_bound, spec.log_when_wide);
+  if (!y_axis.log_scale) y_axis = value_axis(values, spec.upper_bound, false);
+  std::vector<Series> series;
+  for (const Series& s : all_series)
+    if (!s.points.empty() || y_axis.shows(s.reference)) series.push_back(s);
+  const std::string y_label = std::string(spec.y_label) + (y_axis.log_scale ? ", log scale" : "") + "  (" +
+                              spec.direction + ")";
   const double x_lo = x_axis.ticks.front(), x_hi = x_axis.ticks.back();
   const double x_pad = x_axis.ticks.size() == 1 ? 1.0 : std::max(0.25, 0.06 * (x_hi - x_lo));
-
-  std::vector<double> y_ticks;
-  const int tick_count = static_cast<int>(std::llround((y_axis.tick_hi - y_axis.tick_lo) / y_axis.step)) + 1;
-  for (int i = 0; i < tick_count; ++i) {
-    const double tick = y_axis.tick_lo + i * y_axis.step;
-    y_ticks.push_back(std::fabs(tick) < 1e-9 * y_axis.step ? 0.0 : tick);  // never print "-0.00"
-  }
 
   // Layout: the legend's width follows the longest policy name (within limits), the left margin the
   // widest y tick label.
@@ -295,7 +264,7 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
 
   canvas.font(12.0);
   double widest_tick = 0.0;
-  for (double tick : y_ticks) widest_tick = std::max(widest_tick, canvas.text_width(tick_label(tick, y_axis.decimals)));
+  for (const std::string& label : y_axis.labels) widest_tick = std::max(widest_tick, canvas.text_width(label));
 
   const double plot_left = std::round(18.0 + 16.0 + 10.0 + widest_tick + 8.0);
   const double plot_right = std::round(kWidth - 16.0 - legend_width - 18.0);
@@ -306,7 +275,7 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
     return plot_left + t * (plot_right - plot_left);
   };
   auto y_of = [&](double value) {
-    return plot_bottom - (value - y_axis.view_lo) / (y_axis.view_hi - y_axis.view_lo) * (plot_bottom - plot_top);
+    return plot_bottom - y_axis.fraction(value) * (plot_bottom - plot_top);
   };
 
   // Title and subtitle, centred over the plot area.
@@ -325,14 +294,14 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
   // Grid, ticks and tick labels.
   canvas.dash({});
   canvas.font(12.0);
-  for (double tick : y_ticks) {
-    const double y = y_of(tick);
+  for (std::size_t i = 0; i < y_axis.ticks.size(); ++i) {
+    const double y = y_of(y_axis.ticks[i]);
     canvas.colour(kGridColour);
     canvas.line(plot_left, y, plot_right, y, 1.0);
     canvas.colour(kAxisColour);
     canvas.line(plot_left - 5.0, y, plot_left, y, 1.0);
     canvas.colour(kTextColour);
-    canvas.text(tick_label(tick, y_axis.decimals), plot_left - 8.0, y, 1.0);
+    canvas.text(y_axis.labels[i], plot_left - 8.0, y, 1.0);
   }
   double last_label_right = -std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < x_axis.ticks.size(); ++i) {
@@ -355,7 +324,7 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
   canvas.colour(kTextColour);
   canvas.font(13.0);
   canvas.text(fit_text(canvas, x_axis.title, plot_right - plot_left), centre, plot_bottom + 40.0, 0.5);
-  canvas.vertical_text(fit_text(canvas, spec.y_label, plot_bottom - plot_top), 22.0, (plot_top + plot_bottom) / 2.0);
+  canvas.vertical_text(fit_text(canvas, y_label, plot_bottom - plot_top), 22.0, (plot_top + plot_bottom) / 2.0);
 
   // Plot frame.
   canvas.colour(kAxisColour);
@@ -365,7 +334,7 @@ std::string render_plot(const MetricPlot& spec, const XAxis& x_axis, const std::
 
   // Reference lines first, so the budgeted lines and their markers draw over them.
   for (const Series& s : series) {
-    if (!s.has_reference()) continue;
+    if (!y_axis.shows(s.reference)) continue;
     canvas.colour(s.style.colour);
     canvas.dash(kReferenceDash);
     canvas.line(plot_left + 1.0, y_of(s.reference), plot_right - 1.0, y_of(s.reference), 2.0);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/errors.h"
+#include "eval/plot_axis.h"
 #include "eval/plots.h"
 #include "base/progress.h"
 #include "eval/results.h"
@@ -211,6 +212,55 @@ TEST(ResultsMarkdown, ListsEveryPolicyAndBudgetAndBoldsTheBest) {
   const std::string cost = row_of("streaming_llm", "Cost");
   EXPECT_EQ(cost, "| streaming_llm | **150** | 64.0 | **149** | 128 | **148** | 256 |");
   EXPECT_NE(row_of("full", "Cost").find("_140_"), std::string::npos);
+}
+
+TEST(PlotAxis, KlSpanningDecadesGetsALogAxisWithEvenlySpacedDecades) {
+  // The README table's range: trimkv+mem at M = 256 to streaming_llm at M = 64, and random beyond.
+  const ValueAxis axis = value_axis({0.0055, 0.076, 0.27, 2.5}, std::numeric_limits<double>::infinity(), true);
+  ASSERT_TRUE(axis.log_scale);
+  // Four decades and more: a tick per decade only.
+  EXPECT_EQ(axis.labels, (std::vector<std::string>{"0.001", "0.01", "0.1", "1", "10"}));
+  ASSERT_EQ(axis.ticks.size(), 5u);
+  const double decade = axis.fraction(0.01) - axis.fraction(0.001);
+  EXPECT_GT(decade, 0.15);
+  for (std::size_t i = 1; i < axis.ticks.size(); ++i)
+    EXPECT_NEAR(axis.fraction(axis.ticks[i]) - axis.fraction(axis.ticks[i - 1]), decade, 1e-12);
+  EXPECT_NEAR(axis.fraction(0.02) - axis.fraction(0.01), decade * std::log10(2.0), 1e-12);
+  for (double value : {0.0055, 0.076, 0.27, 2.5}) {
+    EXPECT_GT(axis.fraction(value), 0.0);
+    EXPECT_LT(axis.fraction(value), 1.0);
+  }
+  // The full cache's KL, 0 or a rounding error away from it, has no place on it.
+  EXPECT_FALSE(axis.shows(0.0));
+  EXPECT_FALSE(axis.shows(2e-9));
+  EXPECT_TRUE(axis.shows(0.002));
+}
+
+TEST(PlotAxis, LogAxisOverFewDecadesTicksAtOneTwoFive) {
+  const ValueAxis axis = value_axis({0.007, 0.03, 0.224}, std::numeric_limits<double>::infinity(), true);
+  ASSERT_TRUE(axis.log_scale);
+  // From the largest tick at or below 0.007 to the smallest at or above 0.224.
+  EXPECT_EQ(axis.labels, (std::vector<std::string>{"0.005", "0.01", "0.02", "0.05", "0.1", "0.2", "0.5"}));
+  EXPECT_LT(axis.fraction(0.005), axis.fraction(0.007));
+  EXPECT_GT(axis.fraction(0.5), axis.fraction(0.224));
+  // A value that is a tick does not grow another one.
+  EXPECT_EQ(value_axis({0.01, 0.2}, 1.0, true).labels, (std::vector<std::string>{"0.01", "0.02", "0.05", "0.1", "0.2"}));
+}
+
+TEST(PlotAxis, LinearWhenNarrowNotAllowedOrTouchingZero) {
+  const double unbounded = std::numeric_limits<double>::infinity();
+  // Less than a factor of 10: linear, 1/2/5 steps, clipped at the bound of a fraction.
+  const ValueAxis agreement = value_axis({0.8, 0.95}, 1.0, true);
+  EXPECT_FALSE(agreement.log_scale);
+  EXPECT_EQ(agreement.labels, (std::vector<std::string>{"0.75", "0.80", "0.85", "0.90", "0.95", "1.00"}));
+  EXPECT_NEAR(agreement.fraction(0.9) - agreement.fraction(0.8), 2.0 * (agreement.fraction(0.85) - agreement.fraction(0.8)), 1e-12);
+  // The metric does not allow a log axis, however wide.
+  EXPECT_FALSE(value_axis({0.01, 5.0}, unbounded, false).log_scale);
+  // A zero among the values (a bounded row as good as the full cache) keeps the axis linear, from 0.
+  const ValueAxis with_zero = value_axis({0.0, 0.1, 2.0}, unbounded, true);
+  EXPECT_FALSE(with_zero.log_scale);
+  EXPECT_EQ(with_zero.labels.front(), "0.0");
+  EXPECT_TRUE(with_zero.shows(0.0));
 }
 
 TEST_F(ReportTest, QualityPlotsAreRealPngsThatFollowTheData) {
