@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
   // A lower-precision dtype is only worth its speed with its error beside it: the same tokens through the
   // float32 model, mean KL(fp32 || dtype) of the next-token distributions and the top-1 agreement.
   double kl = 0.0, top1 = 1.0;
-  if (dtype != at::kFloat) {
+  const bool compared_to_float32 = dtype != at::kFloat;
+  if (compared_to_float32) {
     const auto reference = kvbound::Backbone::load(model_path, at::kFloat);
     kvbound::KVCache low_cache = model->make_cache(), ref_cache = reference->make_cache();
     const at::Tensor low = at::log_softmax(model->forward(tokens, low_cache).to(at::kFloat), -1);
@@ -68,9 +69,10 @@ int main(int argc, char** argv) {
     top1 = ref.argmax(-1).eq(low.argmax(-1)).to(at::kDouble).mean().item<double>();
   }
   std::printf(
-      "{\"impl\": \"kvbound\", \"dtype\": \"%s\", \"kl_to_float32\": %.3g, \"top1_vs_float32\": %.4f, "
+      "{\"impl\": \"kvbound\", \"dtype\": \"%s\", \"compared_to_float32\": %s, \"kl_to_float32\": %.3g, "
+      "\"top1_vs_float32\": %.4f, "
       "\"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, "
       "\"peak_rss_after_load_bytes\": %ld, \"fp32_weight_bytes\": %ld}\n",
-      c10::toString(dtype), kl, top1, T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
+      c10::toString(dtype), compared_to_float32 ? "true" : "false", kl, top1, T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
   return 0;
 }

@@ -269,6 +269,12 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   return at::linear(call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim}), L.o_proj);
 }
 
+at::Tensor Backbone::teacher_hidden(const at::Tensor& tokens, AttentionHook* hook) const {
+  const at::NoGradGuard no_grad;
+  KVCache cache = make_cache();
+  return forward_hidden(tokens, cache, hook);
+}
+
 at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook) const {
   TORCH_CHECK(tokens.dim() == 2, "Backbone::forward: tokens must be [B, T]");
   TORCH_CHECK(cache.num_layers() == config_.num_layers, "Backbone::forward: cache has the wrong number of layers");

@@ -88,6 +88,9 @@ class Backbone {
     return logits(forward_hidden(tokens, cache, hook));
   }
   KVCache make_cache() const { return KVCache(config_.num_layers); }
+  // The frozen model's own final hidden states for tokens [B, T] from an empty cache, without autograd: the
+  // teacher side of every distillation loss. `hook` may watch (capture the teacher's attention inputs).
+  at::Tensor teacher_hidden(const at::Tensor& tokens, AttentionHook* hook = nullptr) const;
 
  private:
   struct Layer {

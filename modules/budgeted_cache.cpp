@@ -14,6 +14,18 @@
 #include "base/errors.h"
 
 namespace kvbound {
+namespace {
+
+// Every call into the policy runs without autograd: its statistics and scores only choose entries, and no
+// gradient flows through a choice. A forward trained end to end (the memory's KL) runs with gradients, and a
+// running statistic with a graph (h2o's sum) would keep every chunk's graph alive.
+template <typename PolicyCall>
+decltype(auto) without_grad(PolicyCall&& call) {
+  const at::NoGradGuard no_grad;
+  return call();
+}
+
+}  // namespace
 
 at::Tensor chunk_attention_probs(const AttentionCall& call, const KVCache& cache) {
   const at::Tensor keys = cache.keys(call.layer);       // [B, Hkv, N, D]
@@ -39,10 +51,7 @@ void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
   view.layer = call.layer;
   view.call = &call;
   view.cache = &cache;  // the older entries only: the chunk is appended after this hook
-  {
-    const at::NoGradGuard no_grad;  // statistics: no gradient flows through a choice of entries
-    policy_.observe_before(view);
-  }
+  without_grad([&] { policy_.observe_before(view); });
   if (cache.size(call.layer) > policy_.tolerated_entries(budget_, buffer_)) cut(view, cache);
 }
 
@@ -52,13 +61,10 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   view.layer = layer;
   view.call = &call;
   view.cache = &cache;
-  {
-    // A forward trained end to end (the memory's KL) runs with gradients; the policy's statistics need none,
-    // and a running sum with a graph (h2o's) would keep every chunk's graph alive.
-    const at::NoGradGuard no_grad;
+  without_grad([&] {
     if (policy_.needs_attention()) view.probs = chunk_attention_probs(call, cache);
     policy_.observe(view);
-  }
+  });
 
   const std::int64_t entries = cache.size(layer);
   peak_entries_ = std::max(peak_entries_, entries);
@@ -82,21 +88,16 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
 void BudgetedCache::cut(const PolicyView& view, KVCache& cache) {
   const std::int64_t layer = view.layer;
   if (cache.size(layer) <= budget_) return;  // a policy tolerating fewer than M entries: nothing to evict yet
-  at::Tensor keep;
-  {
-    const at::NoGradGuard no_grad;
+  const at::Tensor keep = without_grad([&] {
     const at::Tensor scores = policy_.score(view);
     TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
     // Top-`budget` per (batch, KV head), kept in position order.
-    keep = std::get<0>(at::sort(std::get<1>(at::topk(scores, budget_, -1)), -1));
-  }
+    return std::get<0>(at::sort(std::get<1>(at::topk(scores, budget_, -1)), -1));
+  });
   // The entries themselves keep their gradient: the memory write and the cut are differentiable in the values.
   if (on_evict_) on_evict_(layer, keep, cache);
   cache.retain(layer, keep);
-  {
-    const at::NoGradGuard no_grad;
-    policy_.retained(layer, keep);
-  }
+  without_grad([&] { policy_.retained(layer, keep); });
   ++evictions_;
 }
 

@@ -17,7 +17,7 @@ import json, sys
 c, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 print(f"forward T={c['T']} threads={c['threads']}: kvbound ({c['dtype']}) {c['tok_s']:.0f} tok/s, transformers (float32) "
       f"{h['tok_s']:.0f} tok/s, ratio {c['tok_s'] / h['tok_s']:.2f}x")
-if c["dtype"] != "Float":
+if c["compared_to_float32"]:
     print(f"{c['dtype']} vs float32 (kvbound, same tokens): mean KL {c['kl_to_float32']:.3g}, top-1 agreement {c['top1_vs_float32']:.4f}")
 print(f"peak RSS after load: kvbound {c['peak_rss_after_load_bytes'] / 2**20:.0f} MiB = "
       f"{c['peak_rss_after_load_bytes'] / c['fp32_weight_bytes']:.2f}x the fp32 weights "

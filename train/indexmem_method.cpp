@@ -81,11 +81,7 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong)).to(batch.inputs.device());
     const at::Tensor valid_here = valid.to(batch.inputs.device());
     TeacherCapture teacher(settings_);
-    {
-      const at::NoGradGuard no_grad;
-      KVCache cache = model_.make_cache();
-      model_.forward_hidden(batch.inputs.index_select(0, index).narrow(1, 0, L), cache, &teacher);
-    }
+    model_.teacher_hidden(batch.inputs.index_select(0, index).narrow(1, 0, L), &teacher);
     const auto n = static_cast<std::int64_t>(members.size());
     for (std::int64_t l = 0; l < num_layers; ++l) {
       const auto i = static_cast<std::size_t>(l);

@@ -77,12 +77,7 @@ StepLoss MemoryMethod::loss(const Batch& batch) {
 }
 
 StepLoss MemoryMethod::kl_loss(const Batch& batch) {
-  at::Tensor teacher_hidden;
-  {
-    const at::NoGradGuard no_grad;
-    KVCache cache = model_.make_cache();
-    teacher_hidden = model_.forward_hidden(batch.inputs, cache);
-  }
+  const at::Tensor teacher_hidden = model_.teacher_hidden(batch.inputs);
   const std::int64_t T = batch.inputs.size(1);
   at::Tensor kl_sum;
   std::int64_t budgets_used = 0;
@@ -123,11 +118,7 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
 
 StepLoss MemoryMethod::mse_loss(const Batch& batch) {
   TeacherCapture teacher;
-  {
-    const at::NoGradGuard no_grad;
-    KVCache cache = model_.make_cache();
-    model_.forward_hidden(batch.inputs, cache, &teacher);
-  }
+  model_.teacher_hidden(batch.inputs, &teacher);
   const ModelConfig& c = model_.config();
   const std::int64_t num_layers = c.num_layers, T = batch.inputs.size(1);
   // Padding and a document's last token carry no weight; padding only ever follows real tokens.

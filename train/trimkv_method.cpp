@@ -28,12 +28,7 @@ TrimKVMethod::TrimKVMethod(const Backbone& model, const TrimKVSettings& settings
 }
 
 StepLoss TrimKVMethod::loss(const Batch& batch) {
-  at::Tensor teacher_hidden;
-  {
-    const at::NoGradGuard no_grad;
-    KVCache cache = model_.make_cache();
-    teacher_hidden = model_.forward_hidden(batch.inputs, cache);
-  }
+  const at::Tensor teacher_hidden = model_.teacher_hidden(batch.inputs);
   GatedAttentionHook hook(*gates_);
   KVCache cache = model_.make_cache();
   const at::Tensor student_hidden = model_.forward_hidden(batch.inputs, cache, &hook);
