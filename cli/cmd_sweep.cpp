@@ -140,15 +140,6 @@ std::vector<KeyValues> combinations(const std::vector<std::pair<std::string, std
   return out;
 }
 
-// "key=value,key=value" with characters that do not belong in a file name replaced; "base" for no keys.
-std::string folder_name(const KeyValues& values) {
-  std::string name;
-  for (const auto& [k, v] : values) name += (name.empty() ? "" : ",") + k + "=" + v;
-  if (name.empty()) return "base";
-  for (char& c : name)
-    if (!std::isalnum(static_cast<unsigned char>(c)) && std::string("._=,+-").find(c) == std::string::npos) c = '_';
-  return name;
-}
 
 // Runs `kvbound ARGS` (this very binary) with stdout and stderr into `log`; true when it exits 0.
 bool run_kvbound(const std::vector<std::string>& args, const std::string& log) {
@@ -202,7 +193,7 @@ class Sweep {
   // One point and seed: train (or resume), export, then every eval variant; false when a step failed.
   bool run(const Job& job, std::size_t number, std::size_t total) {
     const std::string label = "[sweep] " + std::to_string(number) + "/" + std::to_string(total) + " " +
-                              folder_name(job.point) + " seed " + std::to_string(job.seed);
+                              sweep_point_name(job.point) + " seed " + std::to_string(job.seed);
     std::vector<std::string> weights_sets;
     if (!spec_.train_config.empty()) {
       const fs::path run_dir = job.dir / "train";
@@ -225,7 +216,7 @@ class Sweep {
     }
     bool ok = true;
     for (const KeyValues& variant : combinations(spec_.eval_grid)) {
-      const fs::path out = job.dir / "eval" / folder_name(variant);
+      const fs::path out = job.dir / "eval" / sweep_point_name(variant);
       if (fs::exists(out / "results.json")) continue;
       std::vector<std::string> args{"eval", spec_.eval_config};
       KeyValues keys = job.point;
@@ -233,7 +224,7 @@ class Sweep {
       add_sets(args, eval_, keys, spec_.train_config.empty() ? "eval.seed=" + std::to_string(job.seed) : "");
       for (const std::string& set : weights_sets) args.insert(args.end(), {"--set", set});
       args.insert(args.end(), {"--set", "eval.out_dir=" + out.string()});
-      ok = step(label, "eval " + folder_name(variant), args, job.dir / "eval" / (folder_name(variant) + ".log")) && ok;
+      ok = step(label, "eval " + sweep_point_name(variant), args, job.dir / "eval" / (sweep_point_name(variant) + ".log")) && ok;
     }
     return ok;
   }
@@ -320,7 +311,7 @@ int cmd_sweep(int argc, char** argv) {
   std::vector<Job> queue;
   for (std::size_t p = 0; p < points.size(); ++p)
     for (const std::int64_t seed : spec.seeds)
-      queue.push_back({points[p], p, seed, fs::path(spec.out_dir) / folder_name(points[p]) / ("seed" + std::to_string(seed))});
+      queue.push_back({points[p], p, seed, fs::path(spec.out_dir) / sweep_point_name(points[p]) / ("seed" + std::to_string(seed))});
   const auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
   Sweep sweep(spec, train, eval, std::max<std::int64_t>(1, cores / jobs), dry_run);
   std::cerr << "[sweep] " << points.size() << " points x " << spec.seeds.size() << " seeds x "
@@ -351,8 +342,8 @@ int cmd_sweep(int argc, char** argv) {
       point.values.insert(point.values.end(), variants[v].begin(), variants[v].end());
       table_points.push_back(point);
       for (const std::int64_t seed : spec.seeds) {
-        const fs::path results = fs::path(spec.out_dir) / folder_name(points[p]) / ("seed" + std::to_string(seed)) /
-                                 "eval" / folder_name(variants[v]) / "results.json";
+        const fs::path results = fs::path(spec.out_dir) / sweep_point_name(points[p]) / ("seed" + std::to_string(seed)) /
+                                 "eval" / sweep_point_name(variants[v]) / "results.json";
         if (fs::exists(results)) runs.push_back({table_points.size() - 1, seed, read_results_json(results.string())});
       }
     }

@@ -1,5 +1,6 @@
 #include "eval/sweep_summary.h"
 
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <iomanip>
@@ -58,6 +59,15 @@ std::string csv_field(const std::string& text) {
 }
 
 }  // namespace
+
+std::string sweep_point_name(const std::vector<std::pair<std::string, std::string>>& values) {
+  std::string name;
+  for (const auto& [k, v] : values) name += (name.empty() ? "" : ",") + k + "=" + v;
+  if (name.empty()) return "base";
+  for (char& c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && std::string("._=,+-").find(c) == std::string::npos) c = '_';
+  return name;
+}
 
 SweepSummary summarize_sweep(std::vector<std::string> keys, std::vector<SweepPoint> points,
                              const std::vector<SweepRun>& runs, const std::string& metric_name) {
@@ -189,6 +199,23 @@ std::vector<std::string> write_sweep_plots(const SweepSummary& s, const std::str
                                                                        std::to_string(budget) + ", mean over seeds");
       written.push_back(path);
     }
+  }
+  // Each point's seed means against the budget, as the plots of one evaluation.
+  for (std::size_t p = 0; p < s.points.size(); ++p) {
+    EvalResults means;
+    means.meta = {{"model", subtitle + (subtitle.empty() ? "" : ", ") + "mean over seeds"}};
+    std::set<std::int64_t> point_budgets;
+    for (const SweepSummaryRow& r : s.rows) {
+      if (r.point != p) continue;
+      ResultRow row{r.policy, r.budget, {}};
+      for (const auto& [name, mean_and_std] : r.metrics) row.metrics[name] = mean_and_std.first;
+      means.rows.push_back(row);
+      if (r.budget > 0) point_budgets.insert(r.budget);
+    }
+    if (point_budgets.size() < 2) continue;
+    const std::vector<std::string> files =
+        write_quality_plots(means, (std::filesystem::path(out_dir) / "vs_budget" / sweep_point_name(s.points[p].values)).string());
+    written.insert(written.end(), files.begin(), files.end());
   }
   return written;
 }

@@ -40,6 +40,10 @@ struct SweepSummary {
   std::vector<SweepSummaryRow> rows;  // point-major, then policy and budget as the runs listed them
 };
 
+// "key=value,key=value" with characters that do not belong in a file name replaced; "base" for no keys: the
+// folder of a point in the sweep's output.
+std::string sweep_point_name(const std::vector<std::pair<std::string, std::string>>& values);
+
 // Averages the runs of each (point, policy, budget). kvbound::Error when `metric` is not a quality metric.
 SweepSummary summarize_sweep(std::vector<std::string> keys, std::vector<SweepPoint> points,
                              const std::vector<SweepRun>& runs, const std::string& metric);
@@ -50,7 +54,9 @@ std::string sweep_markdown(const SweepSummary& summary);
 // The same rows as CSV: the values, then <metric>_mean and <metric>_std columns, and best (0/1).
 std::string sweep_csv(const SweepSummary& summary);
 // For each swept key with two or more values and each budget: `out_dir/<metric>_vs_<key>_M<budget>.png`, one
-// line per policy and combination of the other keys' values. Returns the files written.
+// line per policy and combination of the other keys' values. For each point whose rows span two or more
+// budgets: `out_dir/vs_budget/<point name>/<quality metric>.png`, the seed means against the budget, one line
+// per policy (write_quality_plots; "base" is the point of a sweep without a grid). Returns the files written.
 std::vector<std::string> write_sweep_plots(const SweepSummary& summary, const std::string& out_dir,
                                            const std::string& subtitle);
 

@@ -79,6 +79,32 @@ TEST(SweepCli, RunsEveryPointAndSummarisesOverSeeds) {
   EXPECT_TRUE(fs::exists(dir / "out/plots/kl_to_full_vs_trimkv.score_offset_M16.png"));
 }
 
+// Without a grid or a training config (how the README's table is made: one eval config, three eval seeds), the
+// sweep evaluates each seed, averages them, and plots the means against the budget.
+TEST(SweepCli, EvalOnlySweepAveragesSeedsAndPlotsTheMeansAgainstTheBudget) {
+  test::TempDir dir("sweep_eval_only");
+  const test::TinyCli cli = test::stories260k_cli();
+  std::ofstream(dir / "eval.yaml") << "model:\n  path: " << cli.model << "\n  threads: 1\neval:\n  text: " << cli.valid
+                                   << "\n  policies: [full, h2o, streaming_llm]\n  budgets: [8, 16]\n  tasks: [continuation]\n"
+                                      "  context_len: 64\n  prefill_len: 32\n  score_from: 32\n  num_windows: 1\n";
+  std::ofstream(dir / "sweep.yaml") << "eval: " << (dir / "eval.yaml") << "\nout_dir: " << (dir / "out") << "\nseeds: [0, 1]\n";
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("sweep " + (dir / "sweep.yaml") + " --jobs 2", &out, &err), 0) << err;
+  EXPECT_EQ(results_files(dir / "out").size(), 2u);  // one point ("base") x two seeds
+  const std::vector<std::string> csv = csv_lines(dir / "out/summary.csv");
+  ASSERT_EQ(csv.size(), 1u + 1u + 2u * 2u) << out;  // header, full, (h2o, streaming_llm) x two budgets
+  EXPECT_EQ(csv[0].rfind("policy,budget,seeds,kl_to_full_mean,kl_to_full_std", 0), 0u) << csv[0];
+  // The two seeds score different windows: a mean over two different values has a non-zero spread.
+  bool some_spread = false;
+  for (std::size_t i = 1; i < csv.size(); ++i) {
+    EXPECT_NE(csv[i].find(",2,"), std::string::npos) << csv[i];
+    some_spread = some_spread || (csv[i].rfind("h2o,", 0) == 0 && csv[i].find(",2,0,") == std::string::npos);
+  }
+  EXPECT_TRUE(some_spread) << out;
+  for (const char* metric : {"kl_to_full", "top1_agree", "nll"})
+    EXPECT_TRUE(fs::exists(fs::path(dir / "out/plots/vs_budget/base") / (std::string(metric) + ".png"))) << metric;
+}
+
 // Killed (SIGKILL to its whole process group) after its first results, the sweep re-run redoes nothing that
 // finished: the early results keep their modification time, and every run ends complete.
 TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
