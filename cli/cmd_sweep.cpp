@@ -17,7 +17,8 @@
 // failed step is reported (its log kept beside it) and the other points go on; the exit code says whether any
 // failed. --jobs N runs N points at once, each with 1/N of the cores (model.threads, unless `set` fixes it).
 // OUT_DIR gets summary.md, summary.csv (mean ± std over seeds of every quality metric, best point per budget)
-// and plots/<metric>_vs_<key>_M<budget>.png.
+// and plots/<metric>_vs_<key>_M<budget>.png; a point evaluated at two or more budgets also
+// plots/vs_budget/<point>/<metric>.png (its seed means against the budget).
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -139,7 +140,6 @@ std::vector<KeyValues> combinations(const std::vector<std::pair<std::string, std
   }
   return out;
 }
-
 
 // Runs `kvbound ARGS` (this very binary) with stdout and stderr into `log`; true when it exits 0.
 bool run_kvbound(const std::vector<std::string>& args, const std::string& log) {

@@ -92,7 +92,7 @@ bool ValueAxis::shows(double value) const {
 ValueAxis value_axis(const std::vector<double>& values, double upper_bound, bool log_when_wide) {
   const double lo = *std::min_element(values.begin(), values.end());
   const double hi = *std::max_element(values.begin(), values.end());
-  if (log_when_wide && lo > 0.0 && hi >= 10.0 * lo) return log_value_axis(lo, hi);
+  if (log_when_wide && lo >= kLogAxisFloor && hi >= 10.0 * lo) return log_value_axis(lo, hi);
   return linear_value_axis(lo, hi, upper_bound);
 }
 

@@ -18,13 +18,18 @@ struct ValueAxis {
   bool shows(double value) const;
 };
 
+// A value below this is zero up to rounding, not a magnitude to spread decades for: the KL of a budget that
+// holds the whole context comes out near 1e-9 in float32.
+constexpr double kLogAxisFloor = 1e-6;
+
 // The axis for a metric's `values`: log10 when the metric allows it (`log_when_wide`) and the values are all
-// positive and span at least a factor of 10 (the KL of learned policies and of heuristics lies decades
-// apart: on a linear axis the small ones sit on top of each other), linear otherwise.
+// at least kLogAxisFloor and span at least a factor of 10 (the KL of learned policies and of heuristics lies
+// decades apart: on a linear axis the small ones sit on top of each other), linear otherwise.
 // Linear: ticks at whole multiples of a 1/2/5 x 10^k step covering the values with a little padding, kept
 // within [0, upper_bound] (every quality metric is non-negative; fractions stop at 1).
-// Log: ticks at 1, 2 and 5 x 10^k when the values span at most three decades, at 10^k alone beyond that,
-// from the largest tick at or below the smallest value to the smallest tick at or above the largest.
+// Log: ticks at 1, 2 and 5 x 10^k when the whole decades enclosing the values are at most three, at 10^k
+// alone beyond that, from the largest tick at or below the smallest value to the smallest tick at or above
+// the largest.
 // Either way the view extends a little past the outer ticks, so that a line at a bound (agreement of 1)
 // does not hide under the plot frame. `values` must not be empty.
 ValueAxis value_axis(const std::vector<double>& values, double upper_bound, bool log_when_wide);

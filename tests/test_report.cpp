@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -261,6 +262,8 @@ TEST(PlotAxis, LinearWhenNarrowNotAllowedOrTouchingZero) {
   EXPECT_FALSE(with_zero.log_scale);
   EXPECT_EQ(with_zero.labels.front(), "0.0");
   EXPECT_TRUE(with_zero.shows(0.0));
+  // So does a float rounding error away from zero: ten decades of axis for it would squash the real values.
+  EXPECT_FALSE(value_axis({2e-9, 0.1, 0.3}, unbounded, true).log_scale);
 }
 
 TEST_F(ReportTest, QualityPlotsAreRealPngsThatFollowTheData) {
@@ -294,12 +297,39 @@ TEST_F(ReportTest, QualityPlotsAreRealPngsThatFollowTheData) {
         different += row_a[x] != row_b[x];
       }
     }
-    // Axes, text and seven lines cover a few percent of the canvas; other numbers move the lines.
+    // Axes, text and the lines cover a few percent of the canvas; other numbers move the lines.
     EXPECT_GT(not_white, 900u * 600u / 50u) << written[i];
     EXPECT_GT(different, 500u) << written[i];
     cairo_surface_destroy(a);
     cairo_surface_destroy(b);
   }
+}
+
+// Rows of a PNG holding at least `count` pixels of exactly `rgb`: a drawn horizontal line (dashed or not),
+// never text, whose antialiased strokes hit an exact colour at a few pixels of a row.
+int rows_with_pixels_of(const std::string& png, std::uint32_t rgb, int count) {
+  cairo_surface_t* image = cairo_image_surface_create_from_png(png.c_str());
+  EXPECT_EQ(cairo_surface_status(image), CAIRO_STATUS_SUCCESS) << png;
+  const int stride = cairo_image_surface_get_stride(image);
+  const unsigned char* pixels = cairo_image_surface_get_data(image);
+  int rows = 0;
+  for (int y = 0; y < cairo_image_surface_get_height(image); ++y) {
+    const auto* row = reinterpret_cast<const std::uint32_t*>(pixels + y * stride);
+    int found = 0;
+    for (int x = 0; x < cairo_image_surface_get_width(image); ++x) found += (row[x] & 0xFFFFFFu) == rgb;
+    rows += found >= count;
+  }
+  cairo_surface_destroy(image);
+  return rows;
+}
+
+// The full cache's dashed grey reference: drawn on the linear agreement axis (at 1), left out of the log KL axis
+// (its KL of 0 has no place there), legend sample included.
+TEST_F(ReportTest, LogKlPlotLeavesOutTheFullCacheReference) {
+  write_quality_plots(sample_results(), dir_.string());
+  constexpr std::uint32_t kFullGrey = 0x444444;
+  EXPECT_GT(rows_with_pixels_of(path("top1_agree.png"), kFullGrey, 100), 0);
+  EXPECT_EQ(rows_with_pixels_of(path("kl_to_full.png"), kFullGrey, 100), 0);
 }
 
 TEST_F(ReportTest, QualityPlotsOnlyForMetricsWithBoundedValues) {
