@@ -104,6 +104,13 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at
   return x * emb.cos().to(x.scalar_type()) + rotate_half(x) * emb.sin().to(x.scalar_type());
 }
 
+at::Tensor undo_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(at::kFloat);  // [..., N, D/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor k = x.to(at::kFloat);
+  return k * emb.cos() - rotate_half(k) * emb.sin();  // the rotation by −θ of apply_rope's +θ
+}
+
 std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType dtype, c10::Device device) {
   return std::make_unique<Backbone>(load_checkpoint(path, dtype), device);
 }
@@ -245,6 +252,7 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.layer = layer;
   call.normed_input = rms_norm(x, L.input_norm);
   call.positions = positions;
+  call.inv_freq = inv_freq_;
   call.start = cache.next_position();
   auto project = [&](const at::Tensor& w, const at::Tensor& b, std::int64_t heads) {
     return at::linear(call.normed_input, w, b).view({B, T, heads, c.head_dim}).transpose(1, 2);

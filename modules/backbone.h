@@ -22,6 +22,7 @@ struct AttentionCall {
   at::Tensor normed_input;  // [B, T, hidden]: input_layernorm(h), what q/k/v are projected from
   at::Tensor q, k, v;       // [B, Hq|Hkv, T, D]; q and k after RoPE
   at::Tensor q_pre_rope, k_pre_rope;
+  at::Tensor inv_freq;      // [D/2] float32: the RoPE frequencies q and k were rotated with (undo_rope)
   at::Tensor positions;     // [T] int64: start, start + 1, ..., start + T - 1
   std::int64_t start = 0;   // the chunk's first position, known on the host (no device sync to read it)
   at::Tensor output;        // [B, Hq, T, D]: set by attention, before o_proj; after_attention may replace it
@@ -122,5 +123,9 @@ at::Tensor rope_inverse_frequencies(const ModelConfig& config);
 // RoPE (rotate-half) of x [..., T, D] at positions [T] with inverse frequencies [D/2], in the backbone's
 // arithmetic: modules with their own head size (the IndexMem indexer) rotate the same way.
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq);
+// The inverse rotation, in float32, of keys x [..., N, D] that sit at `positions` [..., N] (per entry: a
+// cache's entries after evictions): the pre-RoPE keys back from cached ones, equal to them up to float
+// rounding, so a latent memory needs no copy of them beside the cache.
+at::Tensor undo_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq);
 
 }  // namespace kvbound

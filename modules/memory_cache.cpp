@@ -1,6 +1,5 @@
 #include "modules/memory_cache.h"
 
-#include <ATen/ops/cat.h>
 #include <ATen/ops/gather.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/sort.h>
@@ -27,28 +26,26 @@ MemoryAugmentedCache::MemoryAugmentedCache(BudgetedCache& budgeted, std::shared_
 
 void MemoryAugmentedCache::after_attention(AttentionCall& call, KVCache& cache) {
   const auto l = static_cast<std::size_t>(call.layer);
-  if (pre_rope_keys_.size() <= l) pre_rope_keys_.resize(l + 1);
-  at::Tensor& keys = pre_rope_keys_[l];
-  keys = keys.defined() ? at::cat({keys, call.k_pre_rope}, 2) : call.k_pre_rope;
-  if (layer_peak_bytes_.size() <= l) layer_peak_bytes_.resize(l + 1, 0);
-  const MemoryState::Layer& state = state_.layer(call.layer);
-  std::int64_t bytes = static_cast<std::int64_t>(keys.nbytes());
-  for (const at::Tensor* t : {&state.mem, &state.z})
-    if (t->defined()) bytes += static_cast<std::int64_t>(t->nbytes());
-  layer_peak_bytes_[l] = std::max(layer_peak_bytes_[l], bytes);
+  inv_freq_ = call.inv_freq;
   // Read before the budgeted cache writes this chunk's evictions (see the header); the eviction only observes
   // q/k, so the mixed output can be set first. A slot read weighs the memory against what attention just saw.
   call.output = memory_->mix(call.layer, state_, call.q_pre_rope, call.output, call.logsumexp).to(call.output.scalar_type());
   budgeted_.after_attention(call, cache);
+  // The state after this call's writes is the largest it has been (written once, then updated in place).
+  if (layer_peak_bytes_.size() <= l) layer_peak_bytes_.resize(l + 1, 0);
+  const MemoryState::Layer& state = state_.layer(call.layer);
+  std::int64_t bytes = 0;
+  for (const at::Tensor* t : {&state.mem, &state.z})
+    if (t->defined()) bytes += static_cast<std::int64_t>(t->nbytes());
+  layer_peak_bytes_[l] = std::max(layer_peak_bytes_[l], bytes);
 }
 
 void MemoryAugmentedCache::write_evicted(std::int64_t layer, const at::Tensor& keep, const KVCache& cache) {
-  at::Tensor& keys = pre_rope_keys_.at(static_cast<std::size_t>(layer));
-  const std::int64_t D = keys.size(-1);
-  auto rows = [D](const at::Tensor& index) { return index.unsqueeze(-1).expand({-1, -1, -1, D}); };
-  const at::Tensor evicted = rows(evicted_index(keep, cache.size(layer)));
-  memory_->write(layer, state_, at::gather(keys, 2, evicted), at::gather(cache.values(layer), 2, evicted));
-  keys = at::gather(keys, 2, rows(keep));
+  TORCH_CHECK(inv_freq_.defined(), "MemoryAugmentedCache: the attention call carries no RoPE frequencies (AttentionCall::inv_freq)");
+  const at::Tensor index = evicted_index(keep, cache.size(layer));  // [B, Hkv, E]
+  const at::Tensor rows = index.unsqueeze(-1).expand({-1, -1, -1, cache.keys(layer).size(-1)});
+  const at::Tensor k_pre = undo_rope(at::gather(cache.keys(layer), 2, rows), at::gather(cache.positions(layer), 2, index), inv_freq_);
+  memory_->write(layer, state_, k_pre, at::gather(cache.values(layer), 2, rows));
 }
 
 std::int64_t MemoryAugmentedCache::peak_bytes() const {

@@ -23,11 +23,10 @@ namespace kvbound {
 // attention never saw, so the read includes them. The memory trainer
 // (train/memory_method) replays exactly this order.
 //
-// The cache holds post-RoPE keys, the memory wants pre-RoPE ones: this hook keeps each layer's pre-RoPE
-// keys aligned with the cache entries (appended per chunk, gathered with the same keep index). Undoing
-// RoPE on evicted keys would save that copy but differ from the trainer's keys by rounding, and the
-// cache's per-head positions would need their own cos/sin; the copy is exact and only the bounded
-// cache's size (budget + buffer + chunk entries).
+// The cache holds post-RoPE keys, the memory wants pre-RoPE ones: the evicted keys are rotated back at their
+// own positions (undo_rope; equal to the pre-RoPE keys up to float rounding, and the trainer replays through
+// this same hook). A copy of the pre-RoPE keys beside the cache would be exact but cost half the cache's
+// bytes again; the memory's own state is what "+mem" adds to the bounded cache.
 class MemoryAugmentedCache final : public AttentionHook {
  public:
   MemoryAugmentedCache(BudgetedCache& budgeted, std::shared_ptr<const LatentMemory> memory);
@@ -36,13 +35,13 @@ class MemoryAugmentedCache final : public AttentionHook {
   ~MemoryAugmentedCache() override { budgeted_.on_evict(nullptr); }  // the cache may outlive this hook
 
   void before_attention(AttentionCall& call, KVCache& cache) override {
+    inv_freq_ = call.inv_freq;  // a pre-evicting policy's cut below writes evicted keys, rotated back with it
     call.wants_logsumexp = memory_->needs_retained_lse();
     budgeted_.before_attention(call, cache);
   }
   void after_attention(AttentionCall& call, KVCache& cache) override;
   const MemoryState& state() const { return state_; }
-  // Peak bytes this hook holds beside the cache, summed over layers: the pre-RoPE key copy (at its largest,
-  // right after a chunk is appended) plus the memory state (Mem and z, once written).
+  // Peak bytes this hook holds beside the cache, summed over layers: the memory state (Mem and z, once written).
   std::int64_t peak_bytes() const;
 
  private:
@@ -51,7 +50,7 @@ class MemoryAugmentedCache final : public AttentionHook {
   BudgetedCache& budgeted_;
   std::shared_ptr<const LatentMemory> memory_;
   MemoryState state_;
-  std::vector<at::Tensor> pre_rope_keys_;  // per layer [B, Hkv, N, D], aligned with the cache's entries
+  at::Tensor inv_freq_;  // the backbone's RoPE frequencies, from the first call
   std::vector<std::int64_t> layer_peak_bytes_;
 };
 
@@ -65,8 +64,8 @@ class BudgetedHook {
 
   AttentionHook* get() { return memory_ ? static_cast<AttentionHook*>(memory_.get()) : &budgeted_; }
   const BudgetedCache& budgeted() const { return budgeted_; }
-  // What serving this sequence holds at most: the cache's keys and values, plus a latent memory's state and
-  // pre-RoPE key copy when there is one.
+  // What serving this sequence holds at most: the cache's keys and values, plus a latent memory's state when
+  // there is one.
   std::int64_t peak_kv_bytes() const { return budgeted_.peak_kv_bytes() + (memory_ ? memory_->peak_bytes() : 0); }
 
  private:

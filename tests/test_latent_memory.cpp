@@ -447,10 +447,34 @@ TEST_F(MemPolicy, TrainingReplayOfLayerZeroEqualsTheEngineUnderEveryKindOfPolicy
   }
 }
 
-// What "+mem" holds beside the cache counts in the engine's peak: per layer, the pre-RoPE key copy at its
-// largest (budget + chunk entries, the same count as the cache's keys) plus Mem [B, Hkv, d_m, D] and z
-// [B, Hkv, d_m] in float32; the same policy without the memory holds exactly the cache.
-TEST_F(MemPolicy, PeakBytesCountTheKeyCopyAndTheState) {
+// The memory writes evicted keys rotated back from the cache (undo_rope): per entry, at that entry's own
+// position, they equal the pre-RoPE keys the backbone rotated, up to float rounding.
+TEST_F(MemPolicy, UndoRopeGivesBackThePreRopeKeysOfScatteredPositions) {
+  const test::TinyModel& f = tiny_model();
+  struct Capture final : AttentionHook {
+    std::vector<AttentionCall> calls;
+    void after_attention(AttentionCall& call, KVCache&) override { calls.push_back(call); }
+  } capture;
+  KVCache cache = f.model->make_cache();
+  f.model->forward(f.tokens, cache, &capture);
+  const AttentionCall& call = capture.calls.back();
+  const std::int64_t B = call.k.size(0), Hkv = call.k.size(1), T = call.k.size(2);
+  // Each (row, head) its own scattered entries, as a cache holds them after evictions.
+  at::manual_seed(3);
+  const at::Tensor index = std::get<0>(at::sort(at::randperm(T, at::kLong).narrow(0, 0, T / 2))).expand({B, Hkv, T / 2}).contiguous();
+  const at::Tensor rows = index.unsqueeze(-1).expand({-1, -1, -1, call.k.size(3)});
+  const at::Tensor back = undo_rope(at::gather(call.k, 2, rows), call.positions.index_select(0, index.flatten()).view(index.sizes()),
+                                    call.inv_freq);
+  const at::Tensor want = at::gather(call.k_pre_rope, 2, rows).to(at::kFloat);
+  EXPECT_TRUE(at::allclose(back, want, 1e-5, 1e-5)) << (back - want).abs().max().item<double>();
+  // Not the identity: the rotation is undone, not skipped.
+  EXPECT_GT((at::gather(call.k, 2, rows).to(at::kFloat) - want).abs().max().item<double>(), 1e-2);
+}
+
+// What "+mem" holds beside the cache counts in the engine's peak: per layer Mem [B, Hkv, d_m, D] and z
+// [B, Hkv, d_m] in float32, nothing else (evicted keys are rotated back, not copied); the same policy without
+// the memory holds exactly the cache.
+TEST_F(MemPolicy, PeakBytesCountTheCacheAndTheStateAlone) {
   const test::TinyModel& f = tiny_model();
   const ModelConfig& c = f.model->config();
   const std::int64_t budget = 8, chunk = 4, B = f.tokens.size(0);
@@ -467,8 +491,7 @@ TEST_F(MemPolicy, PeakBytesCountTheKeyCopyAndTheState) {
   const std::int64_t with_memory = peak("h2o+mem", &mem_cache);
   EXPECT_EQ(mem_cache, plain_cache);
   const std::int64_t D = c.head_dim, Hkv = c.num_kv_heads, d_m = LatentMemorySettings{}.dim;
-  const std::int64_t key_copy = plain_cache / 2;  // keys and values are the same size; the copy has the keys' dtype
-  EXPECT_EQ(with_memory - plain_cache, key_copy + c.num_layers * B * Hkv * d_m * (D + 1) * 4);
+  EXPECT_EQ(with_memory - plain_cache, c.num_layers * B * Hkv * d_m * (D + 1) * 4);
 }
 
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate h2o+mem.

@@ -33,6 +33,7 @@ AttentionCall chunk_of(const AttentionCall& full, std::int64_t s, std::int64_t n
   c.v = full.v.narrow(2, s, n);
   c.q_pre_rope = full.q_pre_rope.narrow(2, s, n);
   c.k_pre_rope = full.k_pre_rope.narrow(2, s, n);
+  c.inv_freq = full.inv_freq;
   c.positions = full.positions.narrow(0, s, n);
   c.start = full.start + s;
   return c;
