@@ -26,7 +26,6 @@ MemoryAugmentedCache::MemoryAugmentedCache(BudgetedCache& budgeted, std::shared_
 
 void MemoryAugmentedCache::after_attention(AttentionCall& call, KVCache& cache) {
   const auto l = static_cast<std::size_t>(call.layer);
-  inv_freq_ = call.inv_freq;
   // Read before the budgeted cache writes this chunk's evictions (see the header); the eviction only observes
   // q/k, so the mixed output can be set first. A slot read weighs the memory against what attention just saw.
   call.output = memory_->mix(call.layer, state_, call.q_pre_rope, call.output, call.logsumexp).to(call.output.scalar_type());

@@ -50,7 +50,7 @@ class MemoryAugmentedCache final : public AttentionHook {
   BudgetedCache& budgeted_;
   std::shared_ptr<const LatentMemory> memory_;
   MemoryState state_;
-  at::Tensor inv_freq_;  // the backbone's RoPE frequencies, from the first call
+  at::Tensor inv_freq_;  // the backbone's RoPE frequencies, from the call in flight (before_attention)
   std::vector<std::int64_t> layer_peak_bytes_;
 };
 
