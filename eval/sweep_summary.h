@@ -56,7 +56,8 @@ std::string sweep_csv(const SweepSummary& summary);
 // For each swept key with two or more values and each budget: `out_dir/<metric>_vs_<key>_M<budget>.png`, one
 // line per policy and combination of the other keys' values. For each point whose rows span two or more
 // budgets: `out_dir/vs_budget/<point name>/<quality metric>.png`, the seed means against the budget, one line
-// per policy (write_quality_plots; "base" is the one point of a sweep with neither grid nor eval_grid). Returns the files written.
+// per policy (write_quality_plots; "base" is the one point of a sweep with neither grid nor eval_grid).
+// Returns the files written.
 std::vector<std::string> write_sweep_plots(const SweepSummary& summary, const std::string& out_dir,
                                            const std::string& subtitle);
 

@@ -58,6 +58,12 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// The rotation angles [..., D] (float32) of RoPE at `positions` [...]: each frequency twice, for rotate_half.
+at::Tensor rope_angles(const at::Tensor& positions, const at::Tensor& inv_freq) {
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(at::kFloat);  // [..., D/2]
+  return at::cat({freqs, freqs}, -1);
+}
+
 class TensorTable {
  public:
   TensorTable(std::map<std::string, at::Tensor>& tensors, std::string source)
@@ -99,14 +105,12 @@ class TensorTable {
 }  // namespace
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
-  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor emb = rope_angles(positions, inv_freq);  // [T, D]
   return x * emb.cos().to(x.scalar_type()) + rotate_half(x) * emb.sin().to(x.scalar_type());
 }
 
 at::Tensor undo_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
-  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(at::kFloat);  // [..., N, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor emb = rope_angles(positions, inv_freq);  // [..., N, D]
   const at::Tensor k = x.to(at::kFloat);
   return k * emb.cos() - rotate_half(k) * emb.sin();  // the rotation by −θ of apply_rope's +θ
 }
@@ -295,8 +299,7 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
   }
   const at::Tensor ids = tokens.to(device_, at::kLong);
   const at::Tensor positions = at::arange(cache.next_position(), cache.next_position() + T, ids.options());
-  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);  // [T, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor emb = rope_angles(positions, inv_freq_);  // [T, D]
   const at::Tensor cos = emb.cos().to(dtype_), sin = emb.sin().to(dtype_);
   at::Tensor h = at::embedding(embed_, ids);
   for (std::int64_t i = 0; i < config_.num_layers; ++i) {

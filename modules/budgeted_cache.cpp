@@ -16,9 +16,10 @@
 namespace kvbound {
 namespace {
 
-// Every call that has the policy observe, score or keep entries runs without autograd: its statistics and scores only choose entries, and no
-// gradient flows through a choice. A forward trained end to end (the memory's KL) runs with gradients, and a
-// running statistic with a graph (h2o's sum) would keep every chunk's graph alive.
+// Every call that has the policy observe, score or keep entries runs without autograd: its statistics and
+// scores only choose entries, and no gradient flows through a choice. A forward trained end to end (the
+// memory's KL) runs with gradients, and a running statistic with a graph (h2o's sum) would keep every chunk's
+// graph alive.
 template <typename PolicyCall>
 decltype(auto) without_grad(PolicyCall&& call) {
   const at::NoGradGuard no_grad;
