@@ -1,5 +1,6 @@
 #include "losses/distillation.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/matmul.h>
@@ -78,17 +79,20 @@ at::Tensor softmax_in_place(const at::Tensor& h, const at::Tensor& head, at::Ten
 //   KL(p_t ‖ p_s) = Σ_v p_t (z_t − z_s) − lse_t + lse_s = E_{p_t}·(h_t − h_s) − lse_t + lse_s
 //   CE            = lse_s − W[target]·h_s
 //   ∂/∂h_s        = dlogits·W = (g_kl + g_ce)·E_{p_s} − g_kl·E_{p_t} − g_ce·W[target]   (times w / Σw)
+// The forward keeps E_{p_t} and E_{p_s} ([N, d] each, d/V of the logits' size), so the backward forms no
+// logits at all: four [rows, V] × [V, d] products per block in all, where recomputing both softmaxes in the
+// backward took seven. Without a gradient to come, E_{p_s} is not formed (three products).
 class DistillationFunction : public torch::autograd::Function<DistillationFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& student,
                                                 const at::Tensor& teacher, const at::Tensor& head,
                                                 const at::Tensor& targets, const at::Tensor& weights,
-                                                int64_t block_rows) {
-    ctx->save_for_backward({student, teacher, head, targets, weights});  // inputs only: no logits
-    ctx->saved_data["block_rows"] = block_rows;
+                                                int64_t block_rows, bool gradient_follows) {
     const Rows in = flatten(student, teacher, head, targets, weights);
-    const int64_t N = in.student.size(0);
+    const int64_t N = in.student.size(0), d = in.head.size(1);
     const at::Tensor kl_rows = at::empty({N}, in.head.options()), ce_rows = at::empty({N}, in.head.options());
+    const at::Tensor expected_t = at::empty({N, d}, in.head.options());
+    const at::Tensor expected_s = gradient_follows ? at::empty({N, d}, in.head.options()) : at::Tensor();
     const at::Tensor buffer = at::empty({std::min(block_rows, N), in.head.size(0)}, in.head.options());
     for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
       const int64_t n = std::min(block_rows, N - r0);
@@ -96,11 +100,19 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
       const at::Tensor s = in.student.narrow(0, r0, n).to(at::kFloat);
       const at::Tensor t = in.teacher.narrow(0, r0, n).to(at::kFloat);
       const at::Tensor lse_t = softmax_in_place(t, in.head, probs);
-      const at::Tensor expected_t = at::mm(probs, in.head);
+      at::Tensor e_t = expected_t.narrow(0, r0, n);
+      at::mm_out(e_t, probs, in.head);
       const at::Tensor lse_s = softmax_in_place(s, in.head, probs);
-      kl_rows.narrow(0, r0, n).copy_((expected_t * (t - s)).sum(1) - lse_t + lse_s);
+      if (gradient_follows) {
+        at::Tensor e_s = expected_s.narrow(0, r0, n);
+        at::mm_out(e_s, probs, in.head);
+      }
+      kl_rows.narrow(0, r0, n).copy_((e_t * (t - s)).sum(1) - lse_t + lse_s);
       const at::Tensor target_rows = in.head.index_select(0, in.targets.narrow(0, r0, n));
       ce_rows.narrow(0, r0, n).copy_(lse_s - (target_rows * s).sum(1));
+    }
+    if (gradient_follows) {
+      ctx->save_for_backward({student, head, in.targets, in.coef, expected_t, expected_s});  // no logits
     }
     return {(kl_rows * in.coef).sum(), (ce_rows * in.coef).sum()};
   }
@@ -108,25 +120,13 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const int64_t block_rows = ctx->saved_data["block_rows"].toInt();
-    const Rows in = flatten(saved[0], saved[1], saved[2], saved[3], saved[4]);
+    TORCH_INTERNAL_ASSERT(saved.size() == 6, "distillation_loss: a graph was recorded without the saved products");
+    const at::Tensor &student = saved[0], &head = saved[1], &targets = saved[2], &coef = saved[3];
+    const at::Tensor &expected_t = saved[4], &expected_s = saved[5];
     const at::Tensor g_kl = grad_outputs[0].to(at::kFloat), g_ce = grad_outputs[1].to(at::kFloat);
-    const int64_t N = in.student.size(0);
-    const at::Tensor grad = at::empty({N, in.head.size(1)}, in.head.options());
-    const at::Tensor buffer = at::empty({std::min(block_rows, N), in.head.size(0)}, in.head.options());
-    for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
-      const int64_t n = std::min(block_rows, N - r0);
-      at::Tensor probs = buffer.narrow(0, 0, n);
-      softmax_in_place(in.teacher.narrow(0, r0, n).to(at::kFloat), in.head, probs);
-      const at::Tensor expected_t = at::mm(probs, in.head);
-      softmax_in_place(in.student.narrow(0, r0, n).to(at::kFloat), in.head, probs);
-      const at::Tensor expected_s = at::mm(probs, in.head);
-      const at::Tensor target_rows = in.head.index_select(0, in.targets.narrow(0, r0, n));
-      grad.narrow(0, r0, n).copy_(((g_kl + g_ce) * expected_s - g_kl * expected_t - g_ce * target_rows) *
-                                  in.coef.narrow(0, r0, n).unsqueeze(1));
-    }
-    const at::Tensor& student = saved[0];
-    return {grad.view(student.sizes()).to(student.scalar_type()), {}, {}, {}, {}, {}};
+    const at::Tensor target_rows = head.index_select(0, targets).to(at::kFloat);
+    const at::Tensor grad = ((g_kl + g_ce) * expected_s - g_kl * expected_t - g_ce * target_rows) * coef.unsqueeze(1);
+    return {grad.view(student.sizes()).to(student.scalar_type()), {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -137,7 +137,9 @@ DistillationTerms distillation_loss(const at::Tensor& student_hidden, const at::
                                     int64_t block_rows) {
   check_inputs("distillation_loss", student_hidden, teacher_hidden, head, targets, weights);
   TORCH_CHECK(block_rows > 0, "distillation_loss: block_rows must be positive; got ", block_rows);
-  const auto out = DistillationFunction::apply(student_hidden, teacher_hidden, head, targets, weights, block_rows);
+  const bool gradient_follows = at::GradMode::is_enabled() && student_hidden.requires_grad();
+  const auto out =
+      DistillationFunction::apply(student_hidden, teacher_hidden, head, targets, weights, block_rows, gradient_follows);
   return {out[0], out[1]};
 }
 

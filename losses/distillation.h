@@ -4,9 +4,9 @@
 //   kl = Σ_{b,t} w[b,t]·KL(softmax(th[b,t]·Wᵀ) ‖ softmax(sh[b,t]·Wᵀ)) / Σ w
 //   ce = Σ_{b,t} w[b,t]·(−log softmax(sh[b,t]·Wᵀ)[target[b,t]]) / Σ w
 //
-// Memory-bounded: logits exist for block_rows positions at a time (float32), in the forward and again in
-// the backward, so no [B·T, V] tensor is ever allocated; peak extra memory is one [block_rows, V] float
-// buffer (plus a float32 copy of the head when it is stored in another dtype).
+// Memory-bounded: logits exist for block_rows positions at a time (float32), in the forward only, so no
+// [B·T, V] tensor is ever allocated; peak extra memory is one [block_rows, V] float buffer and, for the
+// backward, two [B·T, d] float tensors (plus a float32 copy of the head when it is stored in another dtype).
 #pragma once
 #include <ATen/core/Tensor.h>
 

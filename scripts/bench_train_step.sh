@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One training update on the default model (SmolLM2-135M, T = 512, B = 2, random tokens) of TRIM-KV (gate width
-# 128, M_train 32) and IndexMem stage 1 (the indexer, DESIGN.md defaults) in kvbound (float32 and bfloat16
-# compute) and in PyTorch (bench/peers/trimkv_step_cpu.py, bench/peers/indexmem_step_cpu.py: the same formulas
-# with transformers' model, float32), same threads, one after the other: JSON lines and the ratios. Each prints
-# its update's loss on the same tokens, a check that both compute the same step.
+# 128, M_train 32) and IndexMem stage 1 (the indexer, DESIGN.md defaults) in kvbound and in PyTorch
+# (bench/peers/trimkv_step_cpu.py, bench/peers/indexmem_step_cpu.py: the same formulas with transformers'
+# model), each in float32 and in bfloat16 compute (the trained modules and the losses float32 in both), same
+# threads, one after the other: JSON lines and the ratio at each dtype. Each prints its update's loss on the
+# same tokens, a check that both compute the same step.
 # Usage: scripts/bench_train_step.sh BUILD_DIR [THREADS] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,20 +19,18 @@ for method in trimkv indexmem; do
     trimkv) keys=(trimkv.gate_hidden=128 trimkv.budget=32) peer_args=(128 32) ;;
     indexmem) keys=(indexmem.d_index=32 indexmem.window=32) peer_args=(32 32) ;;
   esac
-  lines=()
   for dtype in float32 bfloat16; do
-    lines+=("$("$build"/bench/bench_train_step "$model" "$method" "$T" "$B" "$steps" cpu "$dtype" \
-      model.threads="$threads" "${keys[@]}" | tail -n 1)")
-  done
-  lines+=("$(.venv/bin/python "bench/peers/${method}_step_cpu.py" "$model" "$T" "$B" "$steps" "$threads" \
-    "${peer_args[@]}" 2>/dev/null | tail -n 1)")
-  printf '%s\n' "${lines[@]}"
-  .venv/bin/python - "${lines[@]}" <<'PY'
+    ours=$("$build"/bench/bench_train_step "$model" "$method" "$T" "$B" "$steps" cpu "$dtype" \
+      model.threads="$threads" "${keys[@]}" | tail -n 1)
+    peer=$(.venv/bin/python "bench/peers/${method}_step_cpu.py" "$model" "$T" "$B" "$steps" "$threads" \
+      "${peer_args[@]}" "$dtype" 2>/dev/null | tail -n 1)
+    printf '%s\n%s\n' "$ours" "$peer"
+    .venv/bin/python - "$ours" "$peer" <<'PY'
 import json, sys
-*ours, p = (json.loads(a) for a in sys.argv[1:])
-for k in ours:
-    print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']}: kvbound {k['dtype']} "
-          f"{k['ms_per_update']:.0f} ms (loss {k['loss']:.4f}), pytorch float32 {p['ms_per_update']:.0f} ms "
-          f"(loss {p['loss']:.4f}), ratio {p['ms_per_update'] / k['ms_per_update']:.2f}x")
+k, p = (json.loads(a) for a in sys.argv[1:])
+print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']} {p['dtype']}: kvbound "
+      f"{k['ms_per_update']:.0f} ms (loss {k['loss']:.4f}), pytorch {p['ms_per_update']:.0f} ms "
+      f"(loss {p['loss']:.4f}), ratio {p['ms_per_update'] / k['ms_per_update']:.2f}x")
 PY
+  done
 done

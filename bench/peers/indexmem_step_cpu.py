@@ -6,7 +6,9 @@ each layer's normalised input and pre-RoPE q/k), the teacher importance from the
 (window × L logits, never L × L), the indexer's pooled scores, KL(p_T ‖ p_S) per (row, KV head) averaged over
 layers, backward, gradient clipping and fused AdamW on the indexers. Random tokens from torch.manual_seed(0), as
 bench_train_step draws them; every position but the last has a target, so each row has L = T − 1 real tokens.
-Prints one JSON line. Usage: indexmem_step_cpu.py GGUF T B [steps=5] [threads=2] [d_index=32] [window=32]"""
+DTYPE (float32, bfloat16) is the frozen model's compute dtype; the indexer and the loss stay float32, as in kvbound.
+Prints one JSON line.
+Usage: indexmem_step_cpu.py GGUF T B [steps=5] [threads=2] [d_index=32] [window=32] [dtype=float32]"""
 import math
 import os
 import sys
@@ -34,10 +36,10 @@ def rms_unweighted(x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32):
+def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32, dtype="float32"):
     torch.set_num_threads(threads)
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
     model.requires_grad_(False)
     cfg = model.config
     D = cfg.hidden_size // cfg.num_attention_heads
@@ -58,7 +60,7 @@ def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32):
     captured = []  # per layer, in call order: x, q_pre, k_pre
     for layer in model.model.layers:
         for module in (layer.input_layernorm, layer.self_attn.q_proj, layer.self_attn.k_proj):
-            module.register_forward_hook(lambda _m, _i, out: captured.append(out))
+            module.register_forward_hook(lambda _m, _i, out: captured.append(out.float()))
     torch.manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (B, T))
     L = T - 1  # real tokens per row (the last position has no target)
@@ -100,8 +102,8 @@ def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32):
         opt.step()
         return loss.item()
 
-    time_updates(update, "indexmem", T, B, steps, threads)
+    time_updates(update, "indexmem", T, B, steps, threads, dtype)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:8]), *sys.argv[8:9])

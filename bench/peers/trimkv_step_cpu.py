@@ -4,8 +4,9 @@ train on a CPU — transformers' model from the same GGUF as the frozen teacher 
 = the same layers with the gated attention softmax(q·kᵀ/√D + (t−i)·log β_i) through SDPA's float mask (GQA
 without repeating K/V), KL(teacher‖student) + CE on the full vocabulary, the per-head capacity loss, backward,
 gradient clipping and fused AdamW on the gates (width H, bias init 8, as kvbound's defaults). Random tokens from
-torch.manual_seed(0), as bench_train_step draws them. Prints one JSON line.
-Usage: trimkv_step_cpu.py GGUF T B [steps=5] [threads=2] [gate_hidden=128] [budget=32]"""
+torch.manual_seed(0), as bench_train_step draws them. DTYPE (float32, bfloat16) is the frozen model's compute
+dtype; the gates, the decay and the loss stay float32, as in kvbound. Prints one JSON line.
+Usage: trimkv_step_cpu.py GGUF T B [steps=5] [threads=2] [gate_hidden=128] [budget=32] [dtype=float32]"""
 import math
 import os
 import sys
@@ -45,10 +46,10 @@ def student_hidden(model, ids, gates, age):
         k = a.k_proj(x).view(B, T, -1, D).transpose(1, 2)
         v = a.v_proj(x).view(B, T, -1, D).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        lb = F.logsigmoid(l2(F.silu(l1(x))) + bias).transpose(1, 2)  # [B, Hkv, T]
+        lb = F.logsigmoid(l2(F.silu(l1(x.float()))) + bias).transpose(1, 2)  # [B, Hkv, T]
         log_betas.append(lb)
         group = q.shape[1] // k.shape[1]
-        mask = (age.clamp(min=0) * lb[:, :, None, :]).repeat_interleave(group, 1) + causal  # [B, Hq, T, T]
+        mask = ((age.clamp(min=0) * lb[:, :, None, :]).repeat_interleave(group, 1) + causal).to(q.dtype)  # [B, Hq, T, T]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         h = h + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -65,10 +66,10 @@ def capacity(log_betas, weights, age, budget):
     return (excess.sum((1, 2)) * weights).sum() / (weights.sum() * lb.shape[1] * lb.shape[2])
 
 
-def main(gguf_path, T, B, steps=5, threads=2, hidden=128, budget=32):
+def main(gguf_path, T, B, steps=5, threads=2, hidden=128, budget=32, dtype="float32"):
     torch.set_num_threads(threads)
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
     model.requires_grad_(False)
     cfg = model.config
     torch.manual_seed(0)
@@ -85,14 +86,14 @@ def main(gguf_path, T, B, steps=5, threads=2, hidden=128, budget=32):
     weights = (targets >= 0).float()
     t = torch.arange(T)
     age = (t[:, None] - t[None, :]).float()
-    head = model.lm_head.weight
+    head = model.lm_head.weight.float()
 
     def update():
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            lt = F.log_softmax(model.model(ids).last_hidden_state @ head.T, -1)
+            lt = F.log_softmax(model.model(ids).last_hidden_state.float() @ head.T, -1)
         hs, log_betas = student_hidden(model, ids, gates, age)
-        ls = F.log_softmax(hs @ head.T, -1)
+        ls = F.log_softmax(hs.float() @ head.T, -1)
         kl = ((lt.exp() * (lt - ls)).sum(-1) * weights).sum() / weights.sum()
         ce = (F.cross_entropy(ls.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
               * weights.flatten()).sum() / weights.sum()
@@ -102,8 +103,8 @@ def main(gguf_path, T, B, steps=5, threads=2, hidden=128, budget=32):
         opt.step()
         return total.item()
 
-    time_updates(update, "trimkv", T, B, steps, threads)
+    time_updates(update, "trimkv", T, B, steps, threads, dtype)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:8]), *sys.argv[8:9])

@@ -4,7 +4,7 @@ import json
 import time
 
 
-def time_updates(update, method, T, B, steps, threads):
+def time_updates(update, method, T, B, steps, threads, dtype):
     """update() runs one optimizer update and returns its loss."""
     for _ in range(2):
         update()
@@ -12,6 +12,6 @@ def time_updates(update, method, T, B, steps, threads):
     for _ in range(steps):
         loss = update()
     seconds = (time.perf_counter() - t0) / steps
-    print(json.dumps({"impl": "pytorch", "method": method, "T": T, "B": B, "threads": threads,
+    print(json.dumps({"impl": "pytorch", "method": method, "T": T, "B": B, "threads": threads, "dtype": dtype,
                       "ms_per_update": round(seconds * 1e3, 1), "tok_s": round(B * T / seconds, 1),
                       "loss": round(loss, 4)}))
