@@ -37,7 +37,8 @@ int main(int argc, char** argv) {
   const long T = argc > 2 ? std::stol(argv[2]) : 512;
   const int threads = argc > 3 ? std::stoi(argv[3]) : 2;
   const int repeats = argc > 4 ? std::stoi(argv[4]) : 5;
-  const at::ScalarType dtype = kvbound::parse_dtype(argc > 5 ? argv[5] : "float32", "bench_forward dtype");
+  const std::string dtype_name = argc > 5 ? argv[5] : "float32";  // printed as given: the peers' spelling
+  const at::ScalarType dtype = kvbound::parse_dtype(dtype_name, "bench_forward dtype");
   kvbound::load_cuda_kernels();
   at::set_num_threads(threads);
   const c10::InferenceMode no_autograd;
@@ -73,6 +74,6 @@ int main(int argc, char** argv) {
       "\"top1_vs_float32\": %.4f, "
       "\"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, "
       "\"peak_rss_after_load_bytes\": %ld, \"fp32_weight_bytes\": %ld}\n",
-      c10::toString(dtype), compared_to_float32 ? "true" : "false", kl, top1, T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
+      dtype_name.c_str(), compared_to_float32 ? "true" : "false", kl, top1, T, threads, best, T / best, rss_after_load, static_cast<long>(model->num_parameters() * 4));
   return 0;
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Forward tokens/s of the C++ backbone vs transformers on the default model (T=512, same threads; transformers in
-# fp32, kvbound in DTYPE: float32, or bfloat16 with its error against kvbound's float32 on the same tokens), and
-# peak RSS after loading vs the fp32 weight bytes. Usage: scripts/bench.sh BUILD_DIR [THREADS] [DTYPE]
+# Forward tokens/s of the C++ backbone vs transformers on the default model (T=512, same threads, both computing
+# in DTYPE: float32, or bfloat16 with kvbound's error against its own float32 on the same tokens), and peak RSS
+# after loading vs the fp32 weight bytes. Usage: scripts/bench.sh BUILD_DIR [THREADS] [DTYPE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -9,13 +9,13 @@ threads=${2:-$(nproc)}
 dtype=${3:-float32}
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 cpp=$("$build"/bench/bench_forward "$model" 512 "$threads" 5 "$dtype")
-hf=$(.venv/bin/python bench/bench_forward_hf.py "$model" 512 "$threads" 5 2>/dev/null | tail -n 1)
+hf=$(.venv/bin/python bench/bench_forward_hf.py "$model" 512 "$threads" 5 "$dtype" 2>/dev/null | tail -n 1)
 echo "$cpp"
 echo "$hf"
 .venv/bin/python - "$cpp" "$hf" <<'PY'
 import json, sys
 c, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-print(f"forward T={c['T']} threads={c['threads']}: kvbound ({c['dtype']}) {c['tok_s']:.0f} tok/s, transformers (float32) "
+print(f"forward T={c['T']} threads={c['threads']} {h['dtype']}: kvbound {c['tok_s']:.0f} tok/s, transformers "
       f"{h['tok_s']:.0f} tok/s, ratio {c['tok_s'] / h['tok_s']:.2f}x")
 if c["compared_to_float32"]:
     print(f"{c['dtype']} vs float32 (kvbound, same tokens): mean KL {c['kl_to_float32']:.3g}, top-1 agreement {c['top1_vs_float32']:.4f}")
