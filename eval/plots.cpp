@@ -427,9 +427,11 @@ std::vector<std::string> write_quality_plots(const EvalResults& results, const s
     if (!any_bounded) continue;
 
     const std::string path = (std::filesystem::path(out_dir) / (std::string(spec.metric) + ".png")).string();
+    // The model's file or folder name: results.json keeps the resolved path, too long for a subtitle.
     std::string subtitle;
     if (results.meta.is_object() && results.meta.contains("model") && results.meta["model"].is_string()) {
-      subtitle = results.meta["model"].get<std::string>();
+      const std::filesystem::path model = std::filesystem::path(results.meta["model"].get<std::string>()).lexically_normal();
+      subtitle = (model.has_filename() ? model.filename() : model.parent_path().filename()).string();
     }
     XAxis x_axis{{}, {}, "KV budget M (tokens per layer and KV head, log\u2082 scale)", "KV budget"};
     for (const std::int64_t budget : budgets) {
