@@ -108,7 +108,8 @@ std::int64_t RetentionGates::num_parameters() const {
 }
 
 at::Tensor GatedAttentionHook::attend(const AttentionCall& call) {
-  const at::Tensor log_beta = gates_.log_beta(call.layer, call.normed_input);
+  at::Tensor log_beta = gates_.log_beta(call.layer, call.normed_input);  // [B, Hkv, T]
+  if (sinks_ > 0) log_beta = log_beta.masked_fill(call.positions.lt(sinks_).view({1, 1, -1}), 0.0);
   if (static_cast<std::int64_t>(log_betas_.size()) <= call.layer) log_betas_.resize(static_cast<std::size_t>(call.layer) + 1);
   log_betas_[static_cast<std::size_t>(call.layer)] = log_beta;
   return ops::retention_attention(call.q, call.k, call.v, log_beta.to(call.q.scalar_type()));

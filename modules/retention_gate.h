@@ -64,7 +64,9 @@ class RetentionGates {
 // (ops::retention_attention with this layer's log β); the log β of every layer is kept for the capacity loss.
 class GatedAttentionHook final : public AttentionHook {
  public:
-  explicit GatedAttentionHook(const RetentionGates& gates) : gates_(gates) {}
+  // sinks s: positions 0..s−1 keep β = 1 (log β = 0, no gradient), what the trimkv policy's trimkv.sinks
+  // keeps at deployment whatever the gates say; so training neither charges nor credits the gates for them.
+  explicit GatedAttentionHook(const RetentionGates& gates, std::int64_t sinks = 0) : gates_(gates), sinks_(sinks) {}
   bool replaces_attention() const override { return true; }
   at::Tensor attend(const AttentionCall& call) override;
   // [B, Hkv, T] per layer, from the last forward.
@@ -72,6 +74,7 @@ class GatedAttentionHook final : public AttentionHook {
 
  private:
   const RetentionGates& gates_;
+  std::int64_t sinks_;
   std::vector<at::Tensor> log_betas_;
 };
 

@@ -1,5 +1,5 @@
 // TRIM-KV end to end: the loss terms and gate gradients equal a PyTorch implementation of DESIGN.md's
-// formulas (tests/golden/make_trimkv_golden.py), bias 18 makes the student the teacher, the gates file
+// formulas (tests/golden/make_trimkv_golden.py), bias 18 or sinks everywhere make the student the teacher, the gates file
 // round-trips, the data rows and the schedule behave as documented, and the real CLI trains, resumes
 // bit-identically, exports, evaluates, and stops on NaN or a bad key.
 #include <ATen/core/grad_mode.h>
@@ -72,6 +72,39 @@ TEST(TrimKVLoss, Bias18MakesTheStudentTheTeacher) {
     const StepLoss loss = method.loss(b);
     EXPECT_LT(std::abs(loss.terms[0].second.item<double>()), 1e-6) << path << ": " << loss.terms[0].first;
   }
+}
+
+TEST(TrimKVLoss, SinkPositionsKeepBetaOneAndNoGradient) {
+  // bias 0 makes every β ≈ 0.5: without sinks the student is far from the teacher.
+  const std::string dir = test::test_data("trimkv");
+  KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
+  const auto model = Backbone::load(dir, at::kFloat);
+  RetentionGateSettings settings;
+  settings.bias_init = 0.0;
+  const RetentionGates gates = RetentionGates::init(model->config(), settings, 4);
+  at::manual_seed(4);
+  const std::int64_t T = 24, sinks = 5;
+  const at::Tensor tokens = at::randint(3, model->config().vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor teacher = model->teacher_hidden(tokens);
+  const auto student = [&](std::int64_t s) {
+    GatedAttentionHook hook(gates, s);
+    KVCache cache = model->make_cache();
+    const at::Tensor hidden = model->forward_hidden(tokens, cache, &hook);
+    return std::make_pair(hidden, hook.log_betas());
+  };
+  // Every position a sink: β = 1 everywhere, plain causal attention, the teacher to rounding, no gate gradient.
+  const auto [all_sinks, all_log_betas] = student(T);
+  EXPECT_LT((all_sinks - teacher).abs().max().item<double>(), 1e-5);
+  all_sinks.sum().backward();
+  for (const auto& [name, p] : gates.named_tensors())
+    EXPECT_TRUE(!p.grad().defined() || p.grad().abs().max().item<double>() == 0.0) << name;
+  // Some sinks: exactly 0 there, the gates' value after them, and the student is not the teacher.
+  const auto [hidden, log_betas] = student(sinks);
+  for (const at::Tensor& lb : log_betas) {
+    EXPECT_EQ(lb.narrow(2, 0, sinks).abs().max().item<double>(), 0.0);
+    EXPECT_LT(lb.narrow(2, sinks, T - sinks).max().item<double>(), -0.1);
+  }
+  EXPECT_GT((hidden - teacher).abs().max().item<double>(), 1e-2);
 }
 
 TEST(CapacityLoss, GlobalModeEqualsTheFormula) {

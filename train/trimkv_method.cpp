@@ -29,7 +29,7 @@ TrimKVMethod::TrimKVMethod(const Backbone& model, const TrimKVSettings& settings
 
 StepLoss TrimKVMethod::loss(const Batch& batch) {
   const at::Tensor teacher_hidden = model_.teacher_hidden(batch.inputs);
-  GatedAttentionHook hook(*gates_);
+  GatedAttentionHook hook(*gates_, settings_.sinks);
   KVCache cache = model_.make_cache();
   const at::Tensor student_hidden = model_.forward_hidden(batch.inputs, cache, &hook);
   const losses::DistillationTerms d = losses::distillation_loss(student_hidden, teacher_hidden, model_.lm_head(),
@@ -74,7 +74,8 @@ std::map<std::string, std::string> TrimKVMethod::metadata() const {
             {"retention_gate_intermediate_size", std::to_string(gates_->hidden())},
             {"retention_gate_bias_init", std::to_string(settings_.gate.bias_init)},
             {"hidden_act", model_.config().hidden_act},
-            {"budget", std::to_string(settings_.budget)}});
+            {"budget", std::to_string(settings_.budget)},
+            {"sinks", std::to_string(settings_.sinks)}});
   return m;
 }
 
@@ -103,6 +104,8 @@ std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
     if (!(c.get_float(key) >= 0)) fail("config", key, "must be >= 0");
   t.loss_block_rows = c.get_int("train.loss_block_rows");
   if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
+  t.sinks = c.get_int("trimkv.sinks");  // the policy's key: training and deployment keep the same sinks
+  if (t.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
   t.policy_config = c;
   return std::make_unique<TrimKVMethod>(setup.model, t, setup.seed);
 }

@@ -18,6 +18,7 @@ struct TrimKVSettings {
   losses::CapacityMode capacity = losses::CapacityMode::PerHead;
   double w_kl = 0.5, w_ntp = 0.5, lambda_cap = 1.0;
   std::int64_t loss_block_rows = 128;  // positions whose vocabulary logits exist at once
+  std::int64_t sinks = 0;              // trimkv.sinks: positions the student keeps at β = 1, as the policy does
   Config policy_config = kvbound::policy_config();  // the trimkv policy's keys, for the periodic eval
 };
 

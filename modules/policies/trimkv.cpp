@@ -120,7 +120,8 @@ extern const PolicyRegistration trimkv{
                "trimkv policy: score by the retention expected over the next n steps (1: the current one)")
           .add("trimkv.sliding_window", ConfigType::Int, "0", "trimkv policy: the newest w cached tokens are always kept")
           .add("trimkv.sinks", ConfigType::Int, "0",
-               "trimkv policy: positions 0..s-1 (attention sinks) are always kept (kvbound's rule, not the official cache's)");
+               "trimkv policy: positions 0..s-1 (attention sinks) are always kept (kvbound's rule, not the official cache's); "
+               "trimkv training: the student keeps them at beta = 1");
     },
     [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
       const TrimKVOptions options = trimkv_options(c);
