@@ -14,7 +14,8 @@ namespace kvbound {
 // the KL's, which is log10 when its lines span a factor of 10 or more (plot_axis.h; the full cache's KL,
 // 0 up to rounding, is then below the axis and left out); one coloured line with markers per policy; each
 // policy's unbounded row (budget 0, e.g. `full`) is a dashed horizontal reference line; the legend sits
-// right of the plot. Policies keep the same colour, marker and dash in every plot. Non-finite values are left out of the lines. Each file is written atomically.
+// right of the plot. Policies keep the same colour, marker and dash in every plot. Non-finite values are
+// left out of the lines. Each file is written atomically.
 // Returns the paths written, in the metric order above. Throws kvbound::Error naming the file on failure.
 std::vector<std::string> write_quality_plots(const EvalResults& results, const std::string& out_dir);
 
