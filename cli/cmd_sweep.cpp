@@ -13,7 +13,9 @@
 // A key goes to every command whose schema declares it (a policy key reaches the periodic eval too). Points
 // are folders OUT_DIR/<key=value,...>/seed<S>/ holding train/ (the run), weights.safetensors (its export: the
 // best periodic eval's weights when there is one) and eval/<eval point>/results.json; steps already done are
-// skipped and an interrupted training resumes, so re-running a killed sweep finishes only what was left. A
+// skipped and an interrupted training resumes, so re-running a killed sweep finishes only what was left — unless
+// a step's inputs changed since (train.inputs, eval/<eval point>.inputs: the resolved config and the content of
+// every file it names), which redoes that step and what depends on it. A
 // failed step is reported (its log kept beside it) and the other points go on; the exit code says whether any
 // failed. --jobs N runs N points at once, each with 1/N of the cores (model.threads, unless `set` fixes it).
 // OUT_DIR gets summary.md, summary.csv (mean ± std over seeds of every quality metric, best point per budget)
@@ -39,6 +41,7 @@
 #include "base/errors.h"
 #include "cli/command_schemas.h"
 #include "cli/commands.h"
+#include "cli/sweep_inputs.h"
 #include "eval/results.h"
 #include "eval/sweep_summary.h"
 #include "train/method_registry.h"
@@ -190,46 +193,78 @@ class Sweep {
   Sweep(SweepSpec spec, ConfigSchema train, ConfigSchema eval, std::int64_t threads, bool dry_run)
       : spec_(std::move(spec)), train_(std::move(train)), eval_(std::move(eval)), threads_(threads), dry_run_(dry_run) {}
 
-  // One point and seed: train (or resume), export, then every eval variant; false when a step failed.
+  // One point and seed: train (or resume), export, then every eval variant; false when a step failed. A finished
+  // step is skipped only while its recorded inputs (cli/sweep_inputs.h) are unchanged; a stale one is redone,
+  // with what depended on it (a retrained point's export and evals).
   bool run(const Job& job, std::size_t number, std::size_t total) {
     const std::string label = "[sweep] " + std::to_string(number) + "/" + std::to_string(total) + " " +
                               sweep_point_name(job.point) + " seed " + std::to_string(job.seed);
     std::vector<std::string> weights_sets;
     if (!spec_.train_config.empty()) {
       const fs::path run_dir = job.dir / "train";
+      const fs::path weights = job.dir / "weights.safetensors";
+      std::vector<std::string> args{"train", spec_.train_config};
+      add_sets(args, train_, job.point, "train.seed=" + std::to_string(job.seed));
+      args.insert(args.end(), {"--set", "run.out_dir=" + run_dir.string()});
+      const bool started = fs::exists(job.dir / ".trained") || fs::exists(run_dir);
+      const std::string inputs = dry_run_ ? "" : step_inputs(train_, args);
+      if (started && !dry_run_ && !current(label, "train", job.dir / "train.inputs", inputs)) {
+        for (const fs::path& stale : {job.dir / ".trained", run_dir, weights, job.dir / "eval"}) fs::remove_all(stale);
+      }
       if (!fs::exists(job.dir / ".trained")) {
-        std::vector<std::string> args{"train", spec_.train_config};
-        add_sets(args, train_, job.point, "train.seed=" + std::to_string(job.seed));
-        args.insert(args.end(), {"--set", "run.out_dir=" + run_dir.string()});
         const bool resume = fs::exists(run_dir / "checkpoints" / "LATEST");
         if (resume) args.push_back("--resume");
+        if (!dry_run_) write_file_atomic((job.dir / "train.inputs").string(), inputs);
         if (!step(label, resume ? "train (resumed)" : "train", args, job.dir / "train.log")) return false;
         if (!dry_run_) write_file_atomic((job.dir / ".trained").string(), "");
       }
-      const fs::path weights = job.dir / "weights.safetensors";
       if (!fs::exists(weights)) {
-        std::vector<std::string> args{"export", run_dir.string(), "--out", weights.string()};
-        if (fs::exists(run_dir / "best.safetensors") || dry_run_) args.push_back("--best");
-        if (!step(label, "export", args, job.dir / "export.log")) return false;
+        std::vector<std::string> export_args{"export", run_dir.string(), "--out", weights.string()};
+        if (fs::exists(run_dir / "best.safetensors") || dry_run_) export_args.push_back("--best");
+        if (!step(label, "export", export_args, job.dir / "export.log")) return false;
       }
       for (const std::string& key : weights_keys(run_dir)) weights_sets.push_back(key + "=" + weights.string());
     }
     bool ok = true;
     for (const KeyValues& variant : combinations(spec_.eval_grid)) {
-      const fs::path out = job.dir / "eval" / sweep_point_name(variant);
-      if (fs::exists(out / "results.json")) continue;
+      const std::string name = sweep_point_name(variant);
+      const fs::path out = job.dir / "eval" / name;
       std::vector<std::string> args{"eval", spec_.eval_config};
       KeyValues keys = job.point;
       keys.insert(keys.end(), variant.begin(), variant.end());
       add_sets(args, eval_, keys, spec_.train_config.empty() ? "eval.seed=" + std::to_string(job.seed) : "");
       for (const std::string& set : weights_sets) args.insert(args.end(), {"--set", set});
       args.insert(args.end(), {"--set", "eval.out_dir=" + out.string()});
-      ok = step(label, "eval " + sweep_point_name(variant), args, job.dir / "eval" / (sweep_point_name(variant) + ".log")) && ok;
+      const fs::path record = job.dir / "eval" / (name + ".inputs");
+      const std::string inputs = dry_run_ ? "" : step_inputs(eval_, args);
+      if (fs::exists(out / "results.json") && (dry_run_ || current(label, "eval " + name, record, inputs))) continue;
+      fs::remove_all(out);
+      if (!dry_run_) write_file_atomic(record.string(), inputs);
+      ok = step(label, "eval " + name, args, job.dir / "eval" / (name + ".log")) && ok;
     }
     return ok;
   }
 
  private:
+  // The inputs of `kvbound ARGS` (a command, its config, then --set pairs).
+  static std::string step_inputs(const ConfigSchema& schema, const std::vector<std::string>& args) {
+    std::vector<std::string> sets;
+    for (std::size_t i = 2; i + 1 < args.size(); ++i)
+      if (args[i] == "--set") sets.push_back(args[++i]);
+    return sweep_step_inputs(schema, args[1], sets);
+  }
+
+  // True when `record` holds `inputs`; otherwise says what changed and that the step is redone.
+  bool current(const std::string& label, const std::string& what, const fs::path& record, const std::string& inputs) {
+    std::string recorded;
+    if (std::ifstream in(record); in) recorded.assign(std::istreambuf_iterator<char>(in), {});
+    const std::string change = sweep_inputs_change(recorded, inputs);
+    if (change.empty()) return true;
+    const std::lock_guard<std::mutex> lock(print_);
+    std::cerr << label << ": " << what << ": inputs changed since it ran (" << change << "): redoing\n";
+    return false;
+  }
+
   // --set for every fixed and point key `schema` declares, the seed, and the thread share.
   void add_sets(std::vector<std::string>& args, const ConfigSchema& schema, const KeyValues& point,
                 const std::string& seed) const {

@@ -1,7 +1,8 @@
 // `kvbound sweep` end to end on stories260K (tiny runs, one thread each): a grid of 2 train points x 2 seeds x
 // 2 eval variants with --jobs 2 writes every run, the summary (mean ± std over seeds, the best row per budget)
-// and its plots; killed mid-way and re-run, it finishes only what was left; killed alone, it leaves no step
-// running; a failing point is reported while the others complete.
+// and its plots; killed mid-way and re-run, it finishes only what was left; re-run after a config or a file
+// changed, it redoes what they feed; killed alone, it leaves no step running; a failing point is reported while
+// the others complete.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -134,6 +135,68 @@ TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
   std::size_t evals = 0;
   for (std::size_t at = err.find(": eval "); at != std::string::npos; at = err.find(": eval ", at + 1)) ++evals;
   EXPECT_EQ(evals, 8u - done_before) << err;
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// A re-run skips a finished step only while its inputs are unchanged: a changed eval key or a changed byte of a
+// file the eval config names redoes the evals (saying what changed), an unchanged re-run redoes nothing.
+TEST(SweepCli, AReRunRedoesTheEvalsWhoseConfigOrFilesChanged) {
+  test::TempDir dir("sweep_stale_eval");
+  const test::TinyCli cli = test::stories260k_cli();
+  fs::copy_file(cli.valid, dir / "text.txt");
+  const auto write_eval = [&](int windows) {
+    std::ofstream(dir / "eval.yaml") << "model:\n  path: " << cli.model << "\neval:\n  text: " << (dir / "text.txt")
+                                     << "\n  policies: [h2o]\n  budgets: [8]\n  tasks: [continuation]\n  context_len: 64\n"
+                                        "  prefill_len: 32\n  score_from: 32\n  num_windows: " << windows << "\n";
+  };
+  write_eval(1);
+  std::ofstream(dir / "sweep.yaml") << "eval: " << (dir / "eval.yaml") << "\nout_dir: " << (dir / "out") << "\nseeds: [0, 1]\n";
+  const std::string sweep = "sweep " + (dir / "sweep.yaml");
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound(sweep + " --jobs 2", &out, &err), 0) << err;
+  const fs::path first = dir / "out/base/seed0/eval/base/results.json";
+  ASSERT_TRUE(fs::exists(first));
+  const auto stamp = fs::last_write_time(first);
+
+  ASSERT_EQ(test::run_kvbound(sweep, &out, &err), 0) << err;  // --jobs 1: another thread share, the same inputs
+  EXPECT_EQ(count_of(err, ": eval base"), 0u) << err;
+  EXPECT_EQ(fs::last_write_time(first), stamp);
+
+  write_eval(2);
+  ASSERT_EQ(test::run_kvbound(sweep, &out, &err), 0) << err;
+  EXPECT_EQ(count_of(err, ": eval base: inputs changed since it ran (eval.num_windows: 2): redoing"), 2u) << err;
+  EXPECT_EQ(count_of(err, ": eval base\n"), 2u) << err;
+
+  std::ofstream(dir / "text.txt", std::ios::app) << "One more line.\n";
+  ASSERT_EQ(test::run_kvbound(sweep, &out, &err), 0) << err;
+  EXPECT_EQ(count_of(err, "inputs changed since it ran (file " + (dir / "text.txt") + " fnv1a64:"), 2u) << err;
+  EXPECT_EQ(count_of(err, ": eval base\n"), 2u) << err;
+}
+
+// A changed train key retrains the point and redoes its export and evals; the re-run's results are those of a
+// fresh sweep with the new config.
+TEST(SweepCli, AReRunRetrainsAPointWhoseTrainConfigChanged) {
+  test::TempDir dir("sweep_stale_train");
+  write_sweep(dir, "[4]");
+  const std::string sweep = "sweep " + (dir / "sweep.yaml") + " --jobs 2";
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound(sweep, &out, &err), 0) << err;
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(test::stories260k_cli(), "  steps: 4\n", "trimkv:\n  gate_hidden: 16\n");
+  ASSERT_EQ(test::run_kvbound(sweep, &out, &err), 0) << err;
+  EXPECT_EQ(count_of(err, ": train: inputs changed since it ran (train.steps: 4): redoing"), 2u) << err;
+  EXPECT_EQ(count_of(err, ": train\n"), 2u) << err;
+  EXPECT_EQ(count_of(err, ": export\n"), 2u) << err;
+  EXPECT_EQ(count_of(err, ": eval "), 4u) << err;  // 2 seeds x 2 eval variants
+  EXPECT_EQ(results_files(dir / "out").size(), 4u);
+  std::ifstream metrics(dir / "out/trimkv.budget=4/seed0/train/metrics.jsonl");
+  std::size_t updates = 0;
+  for (std::string line; std::getline(metrics, line);) updates += line.find("\"type\":\"train\"") != std::string::npos;
+  EXPECT_EQ(updates, 4u);  // the run was redone from scratch, not resumed past its old end
 }
 
 // Processes still running whose command line mentions `text` (a zombie's is empty).
