@@ -15,6 +15,14 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// Every digit a double holds, so a changed float is a changed line.
+std::string number_text(double value) {
+  std::ostringstream out;
+  out.precision(17);
+  out << value;
+  return out.str();
+}
+
 template <typename T>
 std::string list_text(const std::vector<T>& values) {
   std::ostringstream out;
@@ -53,7 +61,7 @@ std::string sweep_step_inputs(const ConfigSchema& schema, const std::string& con
     out << key.key << ": ";
     switch (key.type) {
       case ConfigType::Int: out << config.get_int(key.key); break;
-      case ConfigType::Float: out << list_text(std::vector<double>{config.get_float(key.key)}); break;
+      case ConfigType::Float: out << number_text(config.get_float(key.key)); break;
       case ConfigType::Bool: out << (config.get_bool(key.key) ? "true" : "false"); break;
       case ConfigType::String: {
         const std::string value = config.get_string(key.key);

@@ -108,6 +108,12 @@ TEST(SweepCli, EvalOnlySweepAveragesSeedsAndPlotsTheMeansAgainstTheBudget) {
     EXPECT_TRUE(fs::exists(fs::path(dir / "out/plots/vs_budget/base") / (std::string(metric) + ".png"))) << metric;
 }
 
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 // Killed (SIGKILL to its whole process group) after its first results, the sweep re-run redoes nothing that
 // finished: the early results keep their modification time, and every run ends complete.
 TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
@@ -132,15 +138,7 @@ TEST(SweepCli, AKilledSweepReRunFinishesOnlyWhatWasLeft) {
   EXPECT_EQ(results_files(dir / "out").size(), 8u);
   EXPECT_EQ(fs::last_write_time(early.front()), stamp) << early.front();
   // The re-run ran fewer eval steps than the sweep has (the finished ones were skipped).
-  std::size_t evals = 0;
-  for (std::size_t at = err.find(": eval "); at != std::string::npos; at = err.find(": eval ", at + 1)) ++evals;
-  EXPECT_EQ(evals, 8u - done_before) << err;
-}
-
-std::size_t count_of(const std::string& text, const std::string& what) {
-  std::size_t n = 0;
-  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
+  EXPECT_EQ(count_of(err, ": eval "), 8u - done_before) << err;
 }
 
 // A re-run skips a finished step only while its inputs are unchanged: a changed eval key or a changed byte of a
