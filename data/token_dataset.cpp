@@ -493,7 +493,7 @@ TokenDataset TokenDataset::open(const std::string& path, const Tokenizer* expect
   silence_hdf5();
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
-  if (!fs::exists(status)) fail(path, "", "no such file");
+  if (!fs::exists(status)) fail(path, "", "no such file (token datasets are written by `kvbound prepare`)");
   if (!fs::is_regular_file(status)) fail(path, "", "not a regular file");
 
   TokenDataset dataset;

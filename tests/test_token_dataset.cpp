@@ -314,7 +314,7 @@ TEST(TokenDatasetErrors, NotAnHdf5File) {
   const std::string empty = write_file(dir / "empty.h5", "");
   expect_error([&] { TokenDataset::open(empty, nullptr); }, empty, "", "not a readable HDF5 file");
   expect_error([&] { TokenDataset::open((dir / "absent.h5").string(), nullptr); }, (dir / "absent.h5").string(), "",
-               "no such file");
+               "no such file (token datasets are written by `kvbound prepare`)");
 }
 
 TEST(TokenDatasetErrors, TruncatedFile) {
