@@ -210,7 +210,7 @@ TEST(Cli, InfoCountsTheGgufQuantTypes) {
 TEST(Cli, GeneratesWithTheDefaultModel) {
   KVBOUND_REQUIRE_FILE(kvbound::test::default_model());
   const CliRun r = run("generate --model " + quote(kvbound::test::default_model()) +
-                    " --prompt 'The capital of France is' --max-new-tokens 8 --threads 2");
+                    " --prompt 'The capital of France is' --max-new-tokens 8 --threads 1");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("Paris"), std::string::npos) << r.out;
 }

@@ -86,7 +86,7 @@ TEST(EvalShippedWeights, ServeTheDefaultModelFarBetterThanRandom) {
   std::string out, err;
   const int code = run(std::string(KVBOUND_CONFIGS) + "/eval/quickstart.yaml --set model.path=" +
                            kvbound::test::default_model() +
-                           " --set model.threads=2 --set eval.policies=[full,random,trimkv,trimkv+mem,indexmem,indexmem+mem]"
+                           " --set model.threads=1 --set eval.policies=[full,random,trimkv,trimkv+mem,indexmem,indexmem+mem]"
                            " --set eval.budgets=[64] --set eval.tasks=[continuation] --set eval.context_len=200"
                            " --set eval.prefill_len=176 --set eval.score_from=176 --set eval.num_windows=1"
                            " --set eval.out_dir=" + out_dir.string(),
