@@ -68,7 +68,7 @@ int cmd_inspect(int argc, char** argv) {
       "tokens", "tokens of the text to decode (BOS included)", cxxopts::value<std::int64_t>()->default_value("192"))(
       "seed", "which paragraph of the text the window starts at", cxxopts::value<std::uint64_t>()->default_value("0"))(
       "model", "the backbone (default: the path the weights were trained on, checked by its content hash)",
-      cxxopts::value<std::string>())("threads", "CPU threads (0 = all cores)", cxxopts::value<int>()->default_value("0"))(
+      cxxopts::value<std::string>())("threads", "CPU threads (0 = every core this process may use)", cxxopts::value<int>()->default_value("0"))(
       "h,help", "show help");
   o.parse_positional({"weights"});
   o.positional_help("RUN_OR_EXPORT");

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/errors.h"
+#include "base/usable_cores.h"
 #include "data/token_dataset.h"
 #include "data/tokenizer.h"
 #include "cli/commands.h"
@@ -103,7 +104,7 @@ int cmd_prepare(int argc, char** argv) {
       cxxopts::value<std::string>()->default_value("text"));
   add("add-eos", "append the EOS token to every document");
   add("force", "replace an existing output file");
-  add("threads", "tokenising threads (0 = all cores)", cxxopts::value<int>()->default_value("0"));
+  add("threads", "tokenising threads (0 = every core this process may use)", cxxopts::value<int>()->default_value("0"));
   add("h,help", "show this help");
   o.parse_positional({"input"});
   o.positional_help("FILE...");
@@ -141,7 +142,7 @@ int cmd_prepare(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) info.created_by += std::string(" ") + argv[i];
 
   const EncodeJob job{*tokenizer, add_eos ? tokenizer->eos_id() : -1,
-                      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))};
+                      threads > 0 ? threads : usable_cores()};
   std::cerr << "[prepare] tokenizer " << tokenizer_path << " (" << tokenizer->identity() << ", vocab "
             << tokenizer->vocab_size() << "), " << job.threads << " threads\n";
   const auto start = std::chrono::steady_clock::now();

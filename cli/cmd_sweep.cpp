@@ -39,6 +39,7 @@
 #include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/usable_cores.h"
 #include "cli/command_schemas.h"
 #include "cli/commands.h"
 #include "cli/sweep_inputs.h"
@@ -347,7 +348,7 @@ int cmd_sweep(int argc, char** argv) {
   for (std::size_t p = 0; p < points.size(); ++p)
     for (const std::int64_t seed : spec.seeds)
       queue.push_back({points[p], p, seed, fs::path(spec.out_dir) / sweep_point_name(points[p]) / ("seed" + std::to_string(seed))});
-  const auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  const auto cores = static_cast<std::int64_t>(usable_cores());
   Sweep sweep(spec, train, eval, std::max<std::int64_t>(1, cores / jobs), dry_run);
   std::cerr << "[sweep] " << points.size() << " points x " << spec.seeds.size() << " seeds x "
             << combinations(spec.eval_grid).size() << " eval variants into " << spec.out_dir << ", " << jobs << " at once\n";

@@ -14,13 +14,13 @@
 
 #include <cstring>
 #include <optional>
-#include <thread>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
 
 #include "base/errors.h"
+#include "base/usable_cores.h"
 #include "train/run_checkpoint.h"
 #include "data/tokenizer.h"
 #include "data/text_windows.h"
@@ -130,7 +130,7 @@ std::int64_t free_port() {
 // the cores unless model.threads fixes them. The first rank to fail stops the others; returns its exit code.
 int launch_local_ranks(const std::vector<std::string>& args, std::int64_t nproc, std::int64_t threads) {
   const std::string port = std::to_string(free_port());
-  const auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  const auto cores = static_cast<std::int64_t>(usable_cores());
   std::vector<std::string> child_args = args;
   if (threads == 0) child_args.insert(child_args.end(), {"--set", "model.threads=" + std::to_string(std::max<std::int64_t>(1, cores / nproc))});
   std::cerr << "[train] " << nproc << " local processes (rendezvous 127.0.0.1:" << port << ")\n";

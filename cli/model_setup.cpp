@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <thread>
 
 #include "base/errors.h"
+#include "base/usable_cores.h"
 #include "ops/device.h"
 
 namespace kvbound {
@@ -16,8 +16,7 @@ namespace {
 constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 void apply_threads(std::int64_t threads) {
-  at::set_num_threads(threads > 0 ? static_cast<int>(threads)
-                                  : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  at::set_num_threads(threads > 0 ? static_cast<int>(threads) : usable_cores());
 }
 
 }  // namespace
@@ -45,7 +44,7 @@ void add_model_options(cxxopts::Options& o) {
   o.add_options()("model", "HF folder (config.json + *.safetensors) or .gguf file",
                   cxxopts::value<std::string>()->default_value(default_model_path()))(
       "dtype", "compute dtype: float32 | bfloat16", cxxopts::value<std::string>()->default_value("float32"))(
-      "threads", "CPU threads (0 = all cores)", cxxopts::value<int>()->default_value("0"))(
+      "threads", "CPU threads (0 = every core this process may use)", cxxopts::value<int>()->default_value("0"))(
       "device", "compute device: cpu | cuda | cuda:N", cxxopts::value<std::string>()->default_value("cpu"))(
       "h,help", "show this help");
 }
@@ -61,7 +60,7 @@ void add_model_keys(ConfigSchema& s) {
   s.add("model.path", ConfigType::String, yaml_quote(default_model_path()), "HF folder or .gguf file (frozen backbone)")
       .add("model.tokenizer", ConfigType::String, "\"\"", "tokenizer file (empty: the one beside model.path)")
       .add("model.dtype", ConfigType::String, "float32", "compute dtype: float32 | bfloat16")
-      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = all cores)")
+      .add("model.threads", ConfigType::Int, "0", "CPU threads (0 = every core this process may use)")
       .add("model.device", ConfigType::String, "cpu", "compute device: cpu | cuda | cuda:N");
 }
 
