@@ -24,6 +24,8 @@ ConfigSchema train_schema() {
   s.add_required("data.train_text", ConfigType::String, "training documents: .txt/.jsonl, or an .h5 from `kvbound prepare`")
       .add("data.pack", ConfigType::Bool, "false",
            "cut rows across document boundaries (short documents fill rows; mark boundaries with prepare --add-eos)")
+      .add("data.shift_rows", ConfigType::Bool, "false",
+           "cut each epoch after the first at another offset (from train.seed), so repeated epochs see other rows")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
       .add("data.eval_text_part", ConfigType::FloatList, "[0.0, 1.0]",
            "[from, to): the share of data.eval_text's paragraphs the periodic eval (and so --best) uses")

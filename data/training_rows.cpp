@@ -19,8 +19,9 @@ struct TrainingRows::Source {
 };
 
 TrainingRows::TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed,
-                           bool pack)
-    : source_(std::make_unique<Source>()), seq_len_(seq_len), bos_(tokenizer.bos_id()), seed_(seed) {
+                           RowCutting cutting)
+    : source_(std::make_unique<Source>()), seq_len_(seq_len), bos_(tokenizer.bos_id()), seed_(seed),
+      shift_(cutting.shift) {
   if (seq_len < 2) fail("config", "train.seq_len", "must be >= 2");
   if (bos_ < 0) fail(path, "tokenizer", "has no BOS token; training rows start with BOS");
   const std::string ext = std::filesystem::path(path).extension().string();
@@ -36,17 +37,40 @@ TrainingRows::TrainingRows(const std::string& path, const Tokenizer& tokenizer, 
     });
     offsets = source_->offsets;
   }
-  if (pack) offsets = {0, offsets.back()};  // one stream: rows cut across document boundaries
-  const std::int64_t span = seq_len - 1;
-  for (std::size_t d = 0; d + 1 < offsets.size(); ++d) {
-    for (std::int64_t s = offsets[d]; s < offsets[d + 1]; s += span)
-      rows_.push_back({s, std::min(span, offsets[d + 1] - s), offsets[d + 1]});
-  }
-  total_tokens_ = offsets.back();
-  if (rows_.empty()) fail(path, "documents", "no tokens to train on");
+  if (cutting.pack) offsets = {0, offsets.back()};  // one stream: rows cut across document boundaries
+  doc_offsets_ = std::move(offsets);
+  total_tokens_ = doc_offsets_.back();
+  unshifted_rows_ = cut(0);
+  if (unshifted_rows_.empty()) fail(path, "documents", "no tokens to train on");
 }
 
 TrainingRows::~TrainingRows() = default;
+
+std::vector<TrainingRows::Row> TrainingRows::cut(std::int64_t offset) const {
+  const std::int64_t span = seq_len_ - 1;
+  std::vector<Row> rows;
+  for (std::size_t d = 0; d + 1 < doc_offsets_.size(); ++d) {
+    const std::int64_t begin = doc_offsets_[d], end = doc_offsets_[d + 1];
+    std::int64_t s = begin;
+    if (offset > 0 && end - begin > span) {  // a document that fits one row is cut the same at any offset
+      rows.push_back({begin, offset, end});
+      s += offset;
+    }
+    for (; s < end; s += span) rows.push_back({s, std::min(span, end - s), end});
+  }
+  return rows;
+}
+
+const std::vector<TrainingRows::Row>& TrainingRows::rows(std::int64_t epoch) const {
+  if (!shift_ || epoch == 0) return unshifted_rows_;
+  if (epoch != shifted_epoch_) {
+    // Its own stream, apart from the order's: the offset depends on (seed, epoch) only.
+    std::mt19937_64 rng((seed_ ^ 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(epoch));
+    shifted_rows_ = cut(static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(seq_len_ - 1)));
+    shifted_epoch_ = epoch;
+  }
+  return shifted_rows_;
+}
 
 std::vector<std::int32_t> TrainingRows::read(std::int64_t begin, std::int64_t count) const {
   if (source_->dataset) return source_->dataset->tokens(begin, count);
@@ -54,14 +78,14 @@ std::vector<std::int32_t> TrainingRows::read(std::int64_t begin, std::int64_t co
 }
 
 const std::vector<std::int64_t>& TrainingRows::order(std::int64_t epoch) const {
-  if (epoch != cached_epoch_) {
-    cached_order_.resize(rows_.size());
-    for (std::size_t i = 0; i < rows_.size(); ++i) cached_order_[i] = static_cast<std::int64_t>(i);
+  if (epoch != order_epoch_) {
+    cached_order_.resize(rows(epoch).size());
+    for (std::size_t i = 0; i < cached_order_.size(); ++i) cached_order_[i] = static_cast<std::int64_t>(i);
     // The permutation depends on (seed, epoch) only; std::shuffle's algorithm is fixed by libstdc++, and
     // the engine's sequence by the standard.
     std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(epoch) + 1);
     std::shuffle(cached_order_.begin(), cached_order_.end(), rng);
-    cached_epoch_ = epoch;
+    order_epoch_ = epoch;
   }
   return cached_order_;
 }
@@ -73,14 +97,14 @@ Batch TrainingRows::next(std::int64_t batch_size, DataPosition& position, const 
   std::vector<float> weights(inputs.size(), 0.f);
   Batch batch;
   for (std::int64_t g = 0; g < shard.world * batch_size; ++g) {
-    if (position.cursor >= num_rows()) {
+    if (position.cursor >= num_rows(position.epoch)) {
       ++position.epoch;
       position.cursor = 0;
     }
     const std::int64_t drawn = order(position.epoch)[static_cast<std::size_t>(position.cursor++)];
     if (g / batch_size != shard.rank) continue;  // another rank's row
     const std::int64_t b = g % batch_size;
-    const Row& r = rows_[static_cast<std::size_t>(drawn)];
+    const Row& r = rows(position.epoch)[static_cast<std::size_t>(drawn)];
     const bool has_next = r.start + r.count < r.doc_end;
     const std::vector<std::int32_t> ids = read(r.start, r.count + (has_next ? 1 : 0));
     const std::size_t row = static_cast<std::size_t>(b * T);

@@ -16,6 +16,12 @@
 // `kvbound prepare --add-eos` carries. Attention crosses documents there, for the frozen teacher and the
 // student alike, as it does in the continuous text a deployment reads.
 //
+// Shifted (`shift`): epoch 0 cuts rows as above; each later epoch cuts every document (or the packed stream)
+// longer than one row at another offset o in [0, T−1) drawn from (seed, epoch): a short first row of its o
+// first tokens, then full rows from there. Every token is still a target once per epoch, but a small text
+// repeated for many epochs shows each token at other positions after other contexts, instead of the same
+// rows again.
+//
 // Order: rows are shuffled per epoch by a permutation drawn from (seed, epoch) alone, so the data position
 // (epoch, cursor) is all a checkpoint needs to resume the exact same batches. Data-parallel training shards
 // each global batch: with `world` processes an update draws world × B rows, and rank r takes rows
@@ -51,15 +57,22 @@ struct DataPosition {
   std::int64_t epoch = 0, cursor = 0;  // cursor: rows of this epoch already consumed
 };
 
+// How documents become rows (above).
+struct RowCutting {
+  bool pack = false;   // rows cross document boundaries
+  bool shift = false;  // every epoch after the first cuts at another offset
+};
+
 class TrainingRows {
  public:
   // `path`: .txt/.jsonl (documents split as `kvbound prepare` does) or .h5 (checked against `tokenizer`).
-  // `pack`: rows cross document boundaries (above). Throws kvbound::Error naming the path when it yields no row.
+  // Throws kvbound::Error naming the path when it yields no row.
   TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed,
-               bool pack = false);
+               RowCutting cutting = {});
   ~TrainingRows();
 
-  std::int64_t num_rows() const { return static_cast<std::int64_t>(rows_.size()); }
+  // Rows of an epoch (with `shift`, a later epoch may hold one more per document: its short first row).
+  std::int64_t num_rows(std::int64_t epoch = 0) const { return static_cast<std::int64_t>(rows(epoch).size()); }
   std::int64_t num_tokens() const { return total_tokens_; }
   std::int64_t seq_len() const { return seq_len_; }
 
@@ -72,15 +85,20 @@ class TrainingRows {
     std::int64_t start, count, doc_end;  // absolute token offsets: d[start, start+count); its document ends at doc_end
   };
   std::vector<std::int32_t> read(std::int64_t begin, std::int64_t count) const;
+  std::vector<Row> cut(std::int64_t offset) const;
+  const std::vector<Row>& rows(std::int64_t epoch) const;
   const std::vector<std::int64_t>& order(std::int64_t epoch) const;
 
   struct Source;
   std::unique_ptr<Source> source_;
   std::int64_t seq_len_, bos_;
   std::uint64_t seed_;
+  bool shift_;
   std::int64_t total_tokens_ = 0;
-  std::vector<Row> rows_;
-  mutable std::int64_t cached_epoch_ = -1;
+  std::vector<std::int64_t> doc_offsets_;  // after packing: {0, total}
+  std::vector<Row> unshifted_rows_;
+  mutable std::int64_t shifted_epoch_ = -1, order_epoch_ = -1;
+  mutable std::vector<Row> shifted_rows_;
   mutable std::vector<std::int64_t> cached_order_;
 };
 

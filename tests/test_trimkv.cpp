@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "base/errors.h"
@@ -220,7 +221,7 @@ TEST(TrainingRows, PackedRowsCrossDocumentBoundariesAndFillRows) {
   for (std::int64_t id : tokenizer->encode("The dog ran far away from home and never came back to the old red house.", false))
     stream.push_back(id);
   const std::int64_t T = 8, n = static_cast<std::int64_t>(stream.size());
-  const TrainingRows rows(dir / "docs.txt", *tokenizer, T, 42, /*pack=*/true);
+  const TrainingRows rows(dir / "docs.txt", *tokenizer, T, 42, RowCutting{/*pack=*/true});
   ASSERT_EQ(rows.num_rows(), (n + T - 2) / (T - 1));
   DataPosition pos;
   const Batch all = rows.next(rows.num_rows(), pos);
@@ -243,6 +244,65 @@ TEST(TrainingRows, PackedRowsCrossDocumentBoundariesAndFillRows) {
   }
   EXPECT_EQ(rebuilt, stream);
   EXPECT_EQ(full_rows, rows.num_rows() - 1);  // every row but the stream's last scores T targets
+}
+
+// Shifted rows: epoch 0 is the unshifted cut; a later epoch still holds every token once as an input (the
+// multiset of input tokens is the documents'), but cut elsewhere (its set of rows differs from epoch 0's for
+// some epoch, with at most one extra, short row for the long document), leaves the document that fits one
+// row whole, and is a function of (seed, epoch): a fresh reader at the same position gives the same batch.
+TEST(TrainingRows, ShiftedRowsCutEachLaterEpochElsewhereAndKeepEveryTokenOnce) {
+  const std::string tok = test::asset("stories260K/tok512.bin");
+  KVBOUND_REQUIRE_FILE(tok);
+  const auto tokenizer = load_tokenizer(tok);
+  test::TempDir dir("shifted_rows");
+  const std::string long_doc = "The dog ran far away from home and never came back to the old red house, where the cat "
+                               "sat by the window every morning and waited for him to come home again.";
+  const std::string short_doc = "A cat.";
+  std::ofstream(dir / "docs.txt") << long_doc << "\n<|endoftext|>\n" << short_doc << "\n";
+  const std::int64_t T = 8;
+  const TrainingRows plain(dir / "docs.txt", *tokenizer, T, 42);
+  const TrainingRows shifted(dir / "docs.txt", *tokenizer, T, 42, RowCutting{/*pack=*/false, /*shift=*/true});
+  const auto long_ids = tokenizer->encode(long_doc, false), short_ids = tokenizer->encode(short_doc, false);
+  ASSERT_GT(static_cast<std::int64_t>(long_ids.size()), 3 * (T - 1));
+  ASSERT_LE(static_cast<std::int64_t>(short_ids.size()), T - 1);
+  std::multiset<std::int64_t> all_tokens(long_ids.begin(), long_ids.end());
+  all_tokens.insert(short_ids.begin(), short_ids.end());
+  const std::vector<std::int64_t> short_row = [&] {
+    std::vector<std::int64_t> row{tokenizer->bos_id()};
+    row.insert(row.end(), short_ids.begin(), short_ids.end());
+    return row;
+  }();
+  // Each row of an epoch as its real inputs (BOS + the row's tokens), the epoch read whole from its start.
+  const auto epoch_rows = [&](const TrainingRows& rows, std::int64_t epoch) {
+    DataPosition pos{epoch, 0};
+    const Batch b = rows.next(rows.num_rows(epoch), pos);
+    std::set<std::vector<std::int64_t>> out;
+    std::multiset<std::int64_t> inputs;
+    for (std::int64_t r = 0; r < b.inputs.size(0); ++r) {
+      std::vector<std::int64_t> row{b.inputs[r][0].item<std::int64_t>()};  // BOS; padding is BOS too, text never is
+      for (std::int64_t t = 1; t < T && b.inputs[r][t].item<std::int64_t>() != tokenizer->bos_id(); ++t)
+        row.push_back(b.inputs[r][t].item<std::int64_t>());
+      inputs.insert(row.begin() + 1, row.end());
+      out.insert(row);
+    }
+    EXPECT_EQ(inputs, all_tokens) << "epoch " << epoch;
+    return out;
+  };
+  const auto epoch0 = epoch_rows(shifted, 0);
+  EXPECT_EQ(epoch0, epoch_rows(plain, 0));
+  bool cut_elsewhere = false;
+  for (std::int64_t epoch = 1; epoch <= 4; ++epoch) {
+    const auto rows = epoch_rows(shifted, epoch);
+    cut_elsewhere = cut_elsewhere || rows != epoch0;
+    EXPECT_TRUE(rows.count(short_row)) << "epoch " << epoch;
+    EXPECT_LE(shifted.num_rows(epoch), plain.num_rows() + 1);
+  }
+  EXPECT_TRUE(cut_elsewhere);
+  const TrainingRows fresh(dir / "docs.txt", *tokenizer, T, 42, RowCutting{false, true});
+  DataPosition a{3, 2}, b{3, 2};
+  EXPECT_TRUE(at::equal(shifted.next(3, a).inputs, fresh.next(3, b).inputs));
+  EXPECT_EQ(a.epoch, b.epoch);
+  EXPECT_EQ(a.cursor, b.cursor);
 }
 
 // Data parallelism: rank r of `world` gets rows [r·B, (r+1)·B) of the global batch a single process with batch
