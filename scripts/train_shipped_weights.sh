@@ -16,7 +16,7 @@ build=${1:-build}
 out=${2:-runs/shipped_weights}
 shift $(( $# < 2 ? $# : 2 ))
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
-# What configs/indexmem/smollm2_stage1.yaml and smollm2_memory.yaml name as runs/data/alice_tinystories.h5.
+# What configs/indexmem/smollm2_stage1.yaml names as runs/data/alice_tinystories.h5 (the memories train on Alice alone).
 data=$out/alice_tinystories.h5
 if [[ -e "$out" ]]; then
   echo "train_shipped_weights: $out exists; remove it or name another OUT_DIR" >&2
@@ -38,5 +38,5 @@ step trimkv_memory configs/indexmem/smollm2_trimkv_memory.yaml smollm2_trimkv_me
 step indexmem_stage1 configs/indexmem/smollm2_stage1.yaml smollm2_indexmem_indexer.safetensors \
   --set data.train_text="$data" "$@"
 step indexmem_memory configs/indexmem/smollm2_memory.yaml smollm2_indexmem_memory.safetensors \
-  --set data.train_text="$data" --set train.init_from="$out/smollm2_indexmem_indexer.safetensors" "$@"
+  --set train.init_from="$out/smollm2_indexmem_indexer.safetensors" "$@"
 echo "--- wrote $out/*.safetensors ---"
