@@ -18,7 +18,7 @@
 //
 // Shifted (`shift`): epoch 0 cuts rows as above; each later epoch cuts every document (or the packed stream)
 // longer than one row at another offset o in [0, T−1) drawn from (seed, epoch): a short first row of its o
-// first tokens, then full rows from there. Every token is still a target once per epoch, but a small text
+// first tokens, then full rows from there. Every token is still an input once per epoch, but a small text
 // repeated for many epochs shows each token at other positions after other contexts, instead of the same
 // rows again.
 //
