@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "base/process_heap.h"
 #include "ops/cuda_module.h"
 #include "ops/pooled_attention_importance.h"
 #include "ops/pooled_index_score.h"
@@ -174,6 +175,7 @@ void bench_pooled(int64_t T, bool naive_fits) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
   std::string why;
   if (!kvbound::load_cuda_kernels(&why) || !at::hasCUDA()) {
     std::fprintf(stderr, "bench_cuda_ops: needs the CUDA kernels and a CUDA device: %s\n",

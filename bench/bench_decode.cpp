@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "base/process_heap.h"
 #include "cli/model_setup.h"
 #include "modules/backbone.h"
 #include "ops/cuda_module.h"
@@ -24,6 +25,7 @@
 #include "modules/trained_modules.h"
 
 int main(int argc, char** argv) {
+  kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
   if (argc < 5) {
     std::cerr << "usage: bench_decode MODEL CONTEXT POLICY BUDGET [threads=2] [steps=64] [chunk=256] [device=cpu] "
                  "[batch=1] [dtype=float32]\n";

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <string>
 
+#include "base/process_heap.h"
 #include "cli/model_setup.h"
 #include "modules/backbone.h"
 #include "ops/cuda_module.h"
@@ -29,6 +30,7 @@ long peak_rss_bytes() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
   if (argc < 2) {
     std::cerr << "usage: bench_forward MODEL [T=512] [threads=2] [repeats=5] [dtype=float32|bfloat16]\n";
     return 2;

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "base/process_heap.h"
 #include "ops/pooled_attention_importance.h"
 #include "ops/pooled_index_score.h"
 #include "tests/counting_allocator.h"
@@ -96,6 +97,7 @@ double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
   const int threads = argc > 1 ? std::stoi(argv[1]) : at::get_num_threads();
   const int repeats = argc > 2 ? std::stoi(argv[2]) : 3;
   at::set_num_threads(threads);

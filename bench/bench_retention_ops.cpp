@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "base/process_heap.h"
 #include "ops/retention_attention.h"
 #include "tests/counting_allocator.h"
 #include "ops/retention_sum.h"
@@ -89,6 +90,7 @@ void print_line(const char* op, const char* impl, const char* metric, int64_t T,
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
   const int threads = argc > 1 ? std::stoi(argv[1]) : at::get_num_threads();
   const int repeats = argc > 2 ? std::stoi(argv[2]) : 3;
   at::set_num_threads(threads);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "base/process_heap.h"
 #include "base/config.h"
 #include "cli/command_schemas.h"
 #include "cli/model_setup.h"
@@ -24,6 +25,7 @@
 #include "train/optimizer.h"
 
 int main(int argc, char** argv) try {
+  kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
   if (argc < 5) {
     std::cerr << "usage: bench_train_step MODEL METHOD SEQ_LEN BATCH [steps=5] [device=cpu] [dtype=float32] "
                  "[key=value ...]\n";

@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "base/errors.h"
+#include "base/process_heap.h"
 #include "cli/commands.h"
 #include "ops/cuda_module.h"
 
@@ -45,6 +46,7 @@ void print_usage(std::ostream& out) {
 
 int main(int argc, char** argv) {
   using namespace kvbound;
+  keep_freed_memory_in_process();  // base/process_heap.h: no page faults for every large tensor
   load_cuda_kernels();  // a no-op without an NVIDIA driver: CPU runs never load libtorch_cuda
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
     print_usage(argc < 2 ? std::cerr : std::cout);
