@@ -46,11 +46,13 @@ SweepSettings sweep_settings(const Config& c) {
   s.continuation.score_from = c.get_int("eval.score_from");
   s.continuation.chunk_size = c.get_int("eval.chunk_size");
   s.continuation.buffer = c.get_int("eval.buffer");
+  s.continuation.budgeted_layers = c.get_int_list("eval.budgeted_layers");
   s.retrieval.context_len = c.get_int("eval.retrieval.context_len");
   s.retrieval.depths = c.get_float_list("eval.retrieval.depths");
   s.retrieval.samples_per_depth = c.get_int("eval.retrieval.samples");
   s.retrieval.chunk_size = s.continuation.chunk_size;
   s.retrieval.buffer = s.continuation.buffer;
+  s.retrieval.budgeted_layers = s.continuation.budgeted_layers;
   s.retrieval.seed = s.seed;
   return s;
 }
@@ -80,6 +82,10 @@ int cmd_eval(int argc, char** argv) {
   const std::string& tok_path = loaded.tokenizer_path;
   const auto& tokenizer = loaded.tokenizer;
   const auto& model = loaded.model;
+  for (const std::int64_t layer : settings.continuation.budgeted_layers)
+    if (layer < 0 || layer >= model->config().num_layers)
+      fail("config", "eval.budgeted_layers", "layer " + std::to_string(layer) + " is not in [0, " +
+                                                 std::to_string(model->config().num_layers) + ")");
   // Learned weights are checked against this backbone, and every policy configured, before any evaluation work.
   TrainedModules modules;
   std::map<std::string, std::string> weights_meta;

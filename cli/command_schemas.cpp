@@ -75,6 +75,8 @@ ConfigSchema eval_schema() {
       .add("eval.score_from", ConfigType::Int, "384", "first scored position (>= prefill_len)")
       .add("eval.chunk_size", ConfigType::Int, "64", "prefill chunk size C (peak KV = M + buffer + C)")
       .add("eval.buffer", ConfigType::Int, "0", "extra entries tolerated before the cache is cut back to M")
+      .add("eval.budgeted_layers", ConfigType::IntList, "[]",
+           "layers held to the budget ([]: every layer); the others keep every entry: what evicting there alone costs")
       .add("eval.num_windows", ConfigType::Int, "8", "continuation windows (random paragraph starts)")
       .add("eval.seed", ConfigType::Int, "0", "seed for windows, retrieval cases and random policies")
       .add("eval.out_dir", ConfigType::String, "runs/eval", "output folder")

@@ -45,7 +45,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
                       ContinuationTotals& totals) {
   const std::int64_t T = ref.tokens.size(0);
   check(settings, T);
-  BudgetedHook hook(policy, budget, settings.buffer);
+  BudgetedHook hook(policy, budget, settings.buffer, settings.budgeted_layers);
   KVCache cache = model.make_cache();
   const at::Tensor tokens = ref.tokens.unsqueeze(0);
 

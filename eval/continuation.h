@@ -17,6 +17,7 @@ struct ContinuationSettings {
   std::int64_t chunk_size = 64;  // prefill chunk C: peak KV entries per layer stay <= budget + buffer + C
   std::int64_t score_from = 1;   // first scored position (>= prefill_len): position p is predicted at p-1
   std::int64_t buffer = 0;
+  std::vector<std::int64_t> budgeted_layers;  // the layers held to the budget (empty: every layer)
 };
 
 // The full-cache log-probabilities [S, V] of the scored positions of one window (computed once).

@@ -46,7 +46,7 @@ std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, cons
 
 std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
                              std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
-  BudgetedHook hook(policy, budget, s.buffer);
+  BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers);
   KVCache cache = model.make_cache();
   const at::Tensor prompt = at::tensor(c.prompt, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
   const std::int64_t T = prompt.size(1);

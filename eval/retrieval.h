@@ -19,6 +19,7 @@ struct RetrievalSettings {
   std::int64_t samples_per_depth = 4;
   std::int64_t chunk_size = 64;
   std::int64_t buffer = 0;
+  std::vector<std::int64_t> budgeted_layers;  // the layers held to the budget (empty: every layer)
   std::int64_t answer_tokens = 8;
   std::uint64_t seed = 0;
 };

@@ -7,6 +7,7 @@
 #include <ATen/ops/sort.h>
 #include <ATen/ops/topk.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -40,10 +41,17 @@ at::Tensor chunk_attention_probs(const AttentionCall& call, const KVCache& cache
   return at::softmax(logits, -1);
 }
 
-BudgetedCache::BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer)
-    : policy_(policy), budget_(budget), buffer_(buffer) {
+BudgetedCache::BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer,
+                             std::vector<std::int64_t> layers)
+    : policy_(policy), budget_(budget), buffer_(buffer), layers_(std::move(layers)) {
   if (budget < 1) fail("eval", "budget", "must be >= 1, got " + std::to_string(budget));
   if (buffer < 0) fail("eval", "buffer", "must be >= 0, got " + std::to_string(buffer));
+  for (const std::int64_t layer : layers_)
+    if (layer < 0) fail("eval", "budgeted_layers", "layer indices must be >= 0, got " + std::to_string(layer));
+}
+
+bool BudgetedCache::holds_to_budget(std::int64_t layer) const {
+  return layers_.empty() || std::find(layers_.begin(), layers_.end(), layer) != layers_.end();
 }
 
 void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
@@ -53,7 +61,7 @@ void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
   view.call = &call;
   view.cache = &cache;  // the older entries only: the chunk is appended after this hook
   without_grad([&] { policy_.observe_before(view); });
-  if (cache.size(call.layer) > policy_.tolerated_entries(budget_, buffer_)) cut(view, cache);
+  if (holds_to_budget(call.layer) && cache.size(call.layer) > policy_.tolerated_entries(budget_, buffer_)) cut(view, cache);
 }
 
 void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
@@ -76,7 +84,7 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   peak = std::max(peak, bytes);
 
   const std::int64_t tolerated = policy_.tolerated_entries(budget_, buffer_);
-  if (!policy_.bounded() || entries <= tolerated) return;
+  if (!policy_.bounded() || !holds_to_budget(layer) || entries <= tolerated) return;
   // A hook wrapping this cache must forward before_attention too, or a pre-evicting policy would never cut.
   if (policy_.pre_evicts()) {
     TORCH_CHECK(entries - call.q.size(2) <= tolerated,

@@ -17,8 +17,11 @@ namespace kvbound {
 
 class BudgetedCache final : public AttentionHook {
  public:
-  // budget >= 1 entries per layer and KV head; buffer >= 0 extra entries tolerated before a cut.
-  BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0);
+  // budget >= 1 entries per layer and KV head; buffer >= 0 extra entries tolerated before a cut. `layers`: the
+  // layers held to the budget (empty: every layer); the others keep every entry while the policy still observes
+  // them — an ablation that measures what evicting in those layers alone costs.
+  BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0,
+                std::vector<std::int64_t> layers = {});
 
   void before_attention(AttentionCall& call, KVCache& cache) override;
   void after_attention(AttentionCall& call, KVCache& cache) override;
@@ -36,9 +39,11 @@ class BudgetedCache final : public AttentionHook {
 
  private:
   void cut(const PolicyView& view, KVCache& cache);
+  bool holds_to_budget(std::int64_t layer) const;
 
   EvictionPolicy& policy_;
   std::int64_t budget_, buffer_;
+  std::vector<std::int64_t> layers_;
   std::int64_t peak_entries_ = 0, evictions_ = 0;
   std::vector<std::int64_t> layer_peak_bytes_;
   EvictionCallback on_evict_;

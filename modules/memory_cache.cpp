@@ -51,8 +51,9 @@ std::int64_t MemoryAugmentedCache::peak_bytes() const {
   return std::accumulate(layer_peak_bytes_.begin(), layer_peak_bytes_.end(), std::int64_t{0});
 }
 
-BudgetedHook::BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer)
-    : budgeted_(policy, budget, buffer) {
+BudgetedHook::BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer,
+                           std::vector<std::int64_t> budgeted_layers)
+    : budgeted_(policy, budget, buffer, std::move(budgeted_layers)) {
   if (policy.memory()) memory_ = std::make_unique<MemoryAugmentedCache>(budgeted_, policy.memory());
 }
 

@@ -58,7 +58,9 @@ class MemoryAugmentedCache final : public AttentionHook {
 // carries a latent memory (make_policy("<policy>+mem")).
 class BudgetedHook {
  public:
-  BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0);
+  // `budgeted_layers`: as BudgetedCache's `layers` (empty: every layer).
+  BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0,
+               std::vector<std::int64_t> budgeted_layers = {});
   BudgetedHook(const BudgetedHook&) = delete;
   BudgetedHook& operator=(const BudgetedHook&) = delete;
 

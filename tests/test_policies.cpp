@@ -96,6 +96,21 @@ TEST_P(EveryPolicy, StaysWithinBudgetPlusChunkWithSortedPositions) {
   else EXPECT_EQ(peak, 8 + 5);
 }
 
+// eval.budgeted_layers: only the listed layers are cut; the others keep every token while the policy observes them.
+TEST_P(EveryPolicy, BudgetedLayersAloneAreCut) {
+  const test::TinyModel& f = tiny_model();
+  ASSERT_GE(f.model->config().num_layers, 2);
+  auto policy = make_policy(GetParam(), policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), 1);
+  BudgetedHook hook(*policy, 8, 0, {1});
+  KVCache cache = f.model->make_cache();
+  const std::int64_t T = f.tokens.size(1);
+  for (std::int64_t s = 0; s < 33; s += 5) f.model->forward(f.tokens.narrow(1, s, std::min<std::int64_t>(5, 33 - s)), cache, hook.get());
+  for (std::int64_t t = 33; t < T; ++t) f.model->forward(f.tokens.narrow(1, t, 1), cache, hook.get());
+  EXPECT_EQ(cache.size(0), T);
+  if (policy->bounded()) EXPECT_LE(cache.size(1), 8 + (policy->pre_evicts() ? 1 : 0));
+  else EXPECT_EQ(cache.size(1), T);
+}
+
 TEST_P(EveryPolicy, SameSeedSameResult) {
   EXPECT_TRUE(at::equal(run_policy(GetParam(), 8, 4, 20, 7), run_policy(GetParam(), 8, 4, 20, 7)));
 }
