@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
@@ -47,12 +48,14 @@ SweepSettings sweep_settings(const Config& c) {
   s.continuation.chunk_size = c.get_int("eval.chunk_size");
   s.continuation.buffer = c.get_int("eval.buffer");
   s.continuation.budgeted_layers = c.get_int_list("eval.budgeted_layers");
+  s.continuation.layer_budget_shares = c.get_float_list("eval.layer_budget_shares");
   s.retrieval.context_len = c.get_int("eval.retrieval.context_len");
   s.retrieval.depths = c.get_float_list("eval.retrieval.depths");
   s.retrieval.samples_per_depth = c.get_int("eval.retrieval.samples");
   s.retrieval.chunk_size = s.continuation.chunk_size;
   s.retrieval.buffer = s.continuation.buffer;
   s.retrieval.budgeted_layers = s.continuation.budgeted_layers;
+  s.retrieval.layer_budget_shares = s.continuation.layer_budget_shares;
   s.retrieval.seed = s.seed;
   return s;
 }
@@ -86,6 +89,13 @@ int cmd_eval(int argc, char** argv) {
     if (layer < 0 || layer >= model->config().num_layers)
       fail("config", "eval.budgeted_layers", "layer " + std::to_string(layer) + " is not in [0, " +
                                                  std::to_string(model->config().num_layers) + ")");
+  const std::vector<double>& shares = settings.continuation.layer_budget_shares;
+  if (!shares.empty() && static_cast<std::int64_t>(shares.size()) != model->config().num_layers)
+    fail("config", "eval.layer_budget_shares", "has " + std::to_string(shares.size()) + " shares but the model has " +
+                                                   std::to_string(model->config().num_layers) + " layers");
+  for (const double share : shares)
+    if (!(share > 0) || !std::isfinite(share))
+      fail("config", "eval.layer_budget_shares", "every share must be finite and > 0, got " + std::to_string(share));
   // Learned weights are checked against this backbone, and every policy configured, before any evaluation work.
   TrainedModules modules;
   std::map<std::string, std::string> weights_meta;

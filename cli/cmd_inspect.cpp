@@ -5,6 +5,9 @@
 // the share of steps the first token (the attention sink) is held, how much of the cache the M most recent
 // tokens fill (1 = a sliding window) and the mean β; how long tokens of each kind stay (punctuation, newlines,
 // capitalised words such as names, the rest); and the longest-lived tokens.
+// With --layer-shares (TRIM-KV weights): instead, per-layer budget shares for `eval.layer_budget_shares` from the
+// gates' scores on --windows windows of --text-part (eval/cache_inspection.h, gate_layer_shares), printed and
+// written as layer_shares.yaml; no plots.
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
@@ -69,6 +72,10 @@ int cmd_inspect(int argc, char** argv) {
       "seed", "which paragraph of the text the window starts at", cxxopts::value<std::uint64_t>()->default_value("0"))(
       "model", "the backbone (default: the path the weights were trained on, checked by its content hash)",
       cxxopts::value<std::string>())("threads", "CPU threads (0 = every core this process may use)", cxxopts::value<int>()->default_value("0"))(
+      "layer-shares", "derive eval.layer_budget_shares at --budget from the gates (TRIM-KV) instead of plotting")(
+      "windows", "windows of --tokens tokens that --layer-shares reads", cxxopts::value<std::int64_t>()->default_value("16"))(
+      "text-part", "FROM,TO: the share of the text's paragraphs the windows come from (keep the test part out)",
+      cxxopts::value<std::vector<double>>()->default_value("0,1"))(
       "h,help", "show help");
   o.parse_positional({"weights"});
   o.positional_help("RUN_OR_EXPORT");
@@ -77,7 +84,8 @@ int cmd_inspect(int argc, char** argv) {
     std::cout << o.help() << "\n";
     return 0;
   }
-  if (!KVBOUND_WITH_PLOTS)
+  const bool layer_shares = r.count("layer-shares") > 0;
+  if (!KVBOUND_WITH_PLOTS && !layer_shares)
     fail("kvbound inspect", "", "its heatmaps need cairo, and this kvbound was built without it (KVBOUND_WITH_PLOTS=OFF)");
   if (!r.count("weights")) fail("kvbound inspect", "RUN_OR_EXPORT", "missing (see --help)");
   if (!r.count("text")) fail("kvbound inspect", "--text", "missing");
@@ -106,13 +114,36 @@ int cmd_inspect(int argc, char** argv) {
   const c10::InferenceMode no_grad;
   TrainedModules modules;
   method.load(file, weights, model, modules);
+  const fs::path out = r["out"].as<std::string>();
+  if (layer_shares) {
+    const auto gates = modules.find<RetentionGates>();
+    if (!gates) fail(weights, "__metadata__.method", "is " + meta("method") + ": --layer-shares needs TRIM-KV gates");
+    const std::vector<double> part = r["text-part"].as<std::vector<double>>();
+    if (part.size() != 2) fail("--text-part", "", "needs FROM,TO");
+    const std::int64_t count = r["windows"].as<std::int64_t>();
+    if (count < 1) fail("--windows", "", "must be >= 1");
+    std::vector<at::Tensor> log_betas;
+    for (const auto& w : TextWindows(r["text"].as<std::string>(), {part[0], part[1]}, "--text-part")
+                             .sample(*loaded.tokenizer, count, length, r["seed"].as<std::uint64_t>()))
+      log_betas.push_back(token_log_beta(model, *gates, at::tensor(w, at::TensorOptions().dtype(at::kLong))));
+    std::ostringstream yaml, list;
+    const std::vector<double> shares = gate_layer_shares(log_betas, budget);
+    for (std::size_t l = 0; l < shares.size(); ++l) list << (l ? ", " : "") << fixed(shares[l], 3);
+    yaml << "# kvbound inspect " << weights << " --layer-shares --budget " << budget << " --tokens " << length << " --windows "
+         << count << " --text " << r["text"].as<std::string>() << " --text-part " << part[0] << "," << part[1] << " --seed "
+         << r["seed"].as<std::uint64_t>() << "\neval:\n  layer_budget_shares: [" << list.str() << "]\n";
+    fs::create_directories(out);
+    write_file_atomic((out / "layer_shares.yaml").string(), yaml.str());
+    std::cout << yaml.str();
+    std::cerr << "[inspect] wrote " << (out / "layer_shares.yaml").string() << "\n";
+    return 0;
+  }
   const Config defaults = Config::load(train_schema(), "", {"data.train_text=unused"});
   const std::string policy_name = method.eval_policy(defaults);
   auto policy = make_policy(policy_name, defaults, modules);
   const std::vector<std::int64_t> window =
       TextWindows(r["text"].as<std::string>()).sample(*loaded.tokenizer, 1, length, r["seed"].as<std::uint64_t>()).front();
   const at::Tensor tokens = at::tensor(window, at::TensorOptions().dtype(at::kLong));
-  const fs::path out = r["out"].as<std::string>();
   fs::create_directories(out);
   std::vector<std::string> written;
 

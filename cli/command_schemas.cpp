@@ -77,6 +77,9 @@ ConfigSchema eval_schema() {
       .add("eval.buffer", ConfigType::Int, "0", "extra entries tolerated before the cache is cut back to M")
       .add("eval.budgeted_layers", ConfigType::IntList, "[]",
            "layers held to the budget ([]: every layer); the others keep every entry: what evicting there alone costs")
+      .add("eval.layer_budget_shares", ConfigType::FloatList, "[]",
+           "one share per layer: budget M gives layer l its share of the L*M entries ([]: M in every layer; "
+           "`kvbound inspect --layer-shares` derives shares from trained gates)")
       .add("eval.num_windows", ConfigType::Int, "8", "continuation windows (random paragraph starts)")
       .add("eval.seed", ConfigType::Int, "0", "seed for windows, retrieval cases and random policies")
       .add("eval.out_dir", ConfigType::String, "runs/eval", "output folder")

@@ -2,8 +2,13 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <ATen/ops/arange.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/topk.h>
+
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "modules/budgeted_cache.h"
 #include "modules/memory_cache.h"
@@ -49,6 +54,27 @@ at::Tensor token_log_beta(const Backbone& model, const RetentionGates& gates, co
   std::vector<at::Tensor> per_layer;
   for (std::size_t l = 0; l < hook.x.size(); ++l) per_layer.push_back(gates.log_beta(static_cast<std::int64_t>(l), hook.x[l])[0]);
   return at::stack(per_layer).to(at::kCPU);
+}
+
+std::vector<double> gate_layer_shares(const std::vector<at::Tensor>& log_betas, std::int64_t budget) {
+  TORCH_CHECK(!log_betas.empty(), "gate_layer_shares: no windows");
+  const std::int64_t L = log_betas.front().size(0), H = log_betas.front().size(1);
+  std::vector<double> counts(static_cast<std::size_t>(L), 1.0);
+  for (const at::Tensor& window : log_betas) {
+    TORCH_CHECK(window.dim() == 3 && window.size(0) == L && window.size(1) == H, "gate_layer_shares: windows of other shapes");
+    const std::int64_t T = window.size(2);
+    for (const std::int64_t seen : {T / 4, T / 2, 3 * T / 4, T}) {
+      if (seen <= budget) continue;  // nothing is evicted yet
+      const at::Tensor age = at::arange(seen - 1, -1, -1, window.options());  // seen − 1 − pos
+      const at::Tensor scores = (window.narrow(2, 0, seen) * age).reshape({-1});
+      const at::Tensor kept = std::get<1>(at::topk(scores, L * H * budget)).div(H * seen, "floor");
+      const at::Tensor per_layer = at::bincount(kept, {}, L).to(at::kDouble).contiguous();
+      for (std::int64_t l = 0; l < L; ++l) counts[static_cast<std::size_t>(l)] += per_layer.data_ptr<double>()[l];
+    }
+  }
+  const double mean = std::accumulate(counts.begin(), counts.end(), 0.0) / static_cast<double>(L);
+  for (double& c : counts) c /= mean;
+  return counts;
 }
 
 std::vector<HeadPattern> head_patterns(const CacheTimeline& tl, std::int64_t budget, const at::Tensor& log_beta) {

@@ -33,6 +33,13 @@ struct HeadPattern {
   double mean_beta = 0;     // mean retention β of the head's tokens (NaN without gates)
 };
 
+// Per-layer budget shares from trained gates (for eval.layer_budget_shares): how the L·M entries that budget M
+// allows would spread over the layers if the gates' own scores (t − pos)·log β were compared across layers —
+// the global top L·Hkv·M of every layer's and head's scores after a quarter, half, three quarters and all of
+// each window [L, Hkv, T] in `log_betas` — counted per layer (+1, so that no share is 0) and scaled to mean 1.
+// A fixed per-layer budget keeps each layer's memory bounded, which a global top-k would not.
+std::vector<double> gate_layer_shares(const std::vector<at::Tensor>& log_betas, std::int64_t budget);
+
 // One pattern per layer and KV head; `log_beta` [L, Hkv, T] may be undefined.
 std::vector<HeadPattern> head_patterns(const CacheTimeline& timeline, std::int64_t budget, const at::Tensor& log_beta);
 

@@ -45,7 +45,9 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
                       ContinuationTotals& totals) {
   const std::int64_t T = ref.tokens.size(0);
   check(settings, T);
-  BudgetedHook hook(policy, budget, settings.buffer, settings.budgeted_layers);
+  BudgetedHook hook(policy, budget, settings.buffer, settings.budgeted_layers,
+                    settings.layer_budget_shares.empty() ? std::vector<std::int64_t>{}
+                                                         : apportion_budget(budget, settings.layer_budget_shares));
   KVCache cache = model.make_cache();
   const at::Tensor tokens = ref.tokens.unsqueeze(0);
 

@@ -18,6 +18,7 @@ struct ContinuationSettings {
   std::int64_t score_from = 1;   // first scored position (>= prefill_len): position p is predicted at p-1
   std::int64_t buffer = 0;
   std::vector<std::int64_t> budgeted_layers;  // the layers held to the budget (empty: every layer)
+  std::vector<double> layer_budget_shares;    // each layer's share of the L·M entries (empty: M in every layer)
 };
 
 // The full-cache log-probabilities [S, V] of the scored positions of one window (computed once).

@@ -46,7 +46,8 @@ std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, cons
 
 std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
                              std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
-  BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers);
+  BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers,
+                    s.layer_budget_shares.empty() ? std::vector<std::int64_t>{} : apportion_budget(budget, s.layer_budget_shares));
   KVCache cache = model.make_cache();
   const at::Tensor prompt = at::tensor(c.prompt, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
   const std::int64_t T = prompt.size(1);

@@ -20,6 +20,7 @@ struct RetrievalSettings {
   std::int64_t chunk_size = 64;
   std::int64_t buffer = 0;
   std::vector<std::int64_t> budgeted_layers;  // the layers held to the budget (empty: every layer)
+  std::vector<double> layer_budget_shares;    // each layer's share of the L·M entries (empty: M in every layer)
   std::int64_t answer_tokens = 8;
   std::uint64_t seed = 0;
 };

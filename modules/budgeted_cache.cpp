@@ -42,12 +42,21 @@ at::Tensor chunk_attention_probs(const AttentionCall& call, const KVCache& cache
 }
 
 BudgetedCache::BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer,
-                             std::vector<std::int64_t> layers)
-    : policy_(policy), budget_(budget), buffer_(buffer), layers_(std::move(layers)) {
+                             std::vector<std::int64_t> layers, std::vector<std::int64_t> layer_budgets)
+    : policy_(policy), budget_(budget), buffer_(buffer), layers_(std::move(layers)), layer_budgets_(std::move(layer_budgets)) {
   if (budget < 1) fail("eval", "budget", "must be >= 1, got " + std::to_string(budget));
   if (buffer < 0) fail("eval", "buffer", "must be >= 0, got " + std::to_string(buffer));
   for (const std::int64_t layer : layers_)
     if (layer < 0) fail("eval", "budgeted_layers", "layer indices must be >= 0, got " + std::to_string(layer));
+  for (const std::int64_t b : layer_budgets_)
+    if (b < 1) fail("eval", "layer budgets", "every layer's budget must be >= 1, got " + std::to_string(b));
+}
+
+std::int64_t BudgetedCache::budget_of(std::int64_t layer) const {
+  if (layer_budgets_.empty()) return budget_;
+  TORCH_CHECK(layer < static_cast<std::int64_t>(layer_budgets_.size()), "BudgetedCache: no budget for layer ", layer, " (",
+              layer_budgets_.size(), " layer budgets)");
+  return layer_budgets_[static_cast<std::size_t>(layer)];
 }
 
 bool BudgetedCache::holds_to_budget(std::int64_t layer) const {
@@ -61,7 +70,7 @@ void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
   view.call = &call;
   view.cache = &cache;  // the older entries only: the chunk is appended after this hook
   without_grad([&] { policy_.observe_before(view); });
-  if (holds_to_budget(call.layer) && cache.size(call.layer) > policy_.tolerated_entries(budget_, buffer_)) cut(view, cache);
+  if (holds_to_budget(call.layer) && cache.size(call.layer) > policy_.tolerated_entries(budget_of(call.layer), buffer_)) cut(view, cache);
 }
 
 void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
@@ -83,7 +92,7 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
   auto& peak = layer_peak_bytes_[static_cast<std::size_t>(layer)];
   peak = std::max(peak, bytes);
 
-  const std::int64_t tolerated = policy_.tolerated_entries(budget_, buffer_);
+  const std::int64_t tolerated = policy_.tolerated_entries(budget_of(layer), buffer_);
   if (!policy_.bounded() || !holds_to_budget(layer) || entries <= tolerated) return;
   // A hook wrapping this cache must forward before_attention too, or a pre-evicting policy would never cut.
   if (policy_.pre_evicts()) {
@@ -95,19 +104,42 @@ void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {
 }
 
 void BudgetedCache::cut(const PolicyView& view, KVCache& cache) {
-  const std::int64_t layer = view.layer;
-  if (cache.size(layer) <= budget_) return;  // a policy tolerating fewer than M entries: nothing to evict yet
+  const std::int64_t layer = view.layer, budget = budget_of(layer);
+  if (cache.size(layer) <= budget) return;  // a policy tolerating fewer than M entries: nothing to evict yet
   const at::Tensor keep = without_grad([&] {
     const at::Tensor scores = policy_.score(view);
     TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
     // Top-`budget` per (batch, KV head), kept in position order.
-    return std::get<0>(at::sort(std::get<1>(at::topk(scores, budget_, -1)), -1));
+    return std::get<0>(at::sort(std::get<1>(at::topk(scores, budget, -1)), -1));
   });
   // The entries themselves keep their gradient: the memory write and the cut are differentiable in the values.
   if (on_evict_) on_evict_(layer, keep, cache);
   cache.retain(layer, keep);
   without_grad([&] { policy_.retained(layer, keep); });
   ++evictions_;
+}
+
+std::vector<std::int64_t> apportion_budget(std::int64_t budget, const std::vector<double>& shares) {
+  const auto L = static_cast<std::int64_t>(shares.size());
+  if (budget < 1) fail("eval", "budget", "must be >= 1, got " + std::to_string(budget));
+  for (const double s : shares)
+    if (!(s > 0) || !std::isfinite(s)) fail("eval", "layer_budget_shares", "every share must be finite and > 0, got " + std::to_string(s));
+  const double total_share = std::accumulate(shares.begin(), shares.end(), 0.0);
+  // Every layer first gets 1 entry; the remaining L·(M − 1) go by largest remainder of the proportional split.
+  const std::int64_t spare = L * (budget - 1);
+  std::vector<std::int64_t> out(shares.size(), 1);
+  std::vector<std::pair<double, std::size_t>> remainders;
+  std::int64_t given = 0;
+  for (std::size_t l = 0; l < shares.size(); ++l) {
+    const double exact = static_cast<double>(spare) * shares[l] / total_share;
+    const auto whole = static_cast<std::int64_t>(std::floor(exact));
+    out[l] += whole;
+    given += whole;
+    remainders.emplace_back(exact - static_cast<double>(whole), l);
+  }
+  std::stable_sort(remainders.begin(), remainders.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (std::size_t i = 0; given < spare; ++i, ++given) ++out[remainders[i % remainders.size()].second];
+  return out;
 }
 
 std::int64_t BudgetedCache::peak_kv_bytes() const {

@@ -19,9 +19,10 @@ class BudgetedCache final : public AttentionHook {
  public:
   // budget >= 1 entries per layer and KV head; buffer >= 0 extra entries tolerated before a cut. `layers`: the
   // layers held to the budget (empty: every layer); the others keep every entry while the policy still observes
-  // them — an ablation that measures what evicting in those layers alone costs.
+  // them — an ablation that measures what evicting in those layers alone costs. `layer_budgets`: layer l's own
+  // budget (each >= 1; empty: `budget` in every layer), e.g. apportion_budget's.
   BudgetedCache(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0,
-                std::vector<std::int64_t> layers = {});
+                std::vector<std::int64_t> layers = {}, std::vector<std::int64_t> layer_budgets = {});
 
   void before_attention(AttentionCall& call, KVCache& cache) override;
   void after_attention(AttentionCall& call, KVCache& cache) override;
@@ -40,14 +41,20 @@ class BudgetedCache final : public AttentionHook {
  private:
   void cut(const PolicyView& view, KVCache& cache);
   bool holds_to_budget(std::int64_t layer) const;
+  std::int64_t budget_of(std::int64_t layer) const;
 
   EvictionPolicy& policy_;
   std::int64_t budget_, buffer_;
-  std::vector<std::int64_t> layers_;
+  std::vector<std::int64_t> layers_, layer_budgets_;
   std::int64_t peak_entries_ = 0, evictions_ = 0;
   std::vector<std::int64_t> layer_peak_bytes_;
   EvictionCallback on_evict_;
 };
+
+// Spreads the L·M entries that a budget of M per layer allows over L = shares.size() layers in proportion to
+// `shares` (each > 0): each layer gets at least 1 and the per-layer budgets sum to exactly L·M (largest
+// remainders round up). Equal shares give M in every layer.
+std::vector<std::int64_t> apportion_budget(std::int64_t budget, const std::vector<double>& shares);
 
 // Attention probabilities of the chunk's queries over every cache entry, [B, Hkv, G, T, N] in float32,
 // masked by position (an entry is visible to a query at or after its position).

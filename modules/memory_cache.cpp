@@ -52,8 +52,8 @@ std::int64_t MemoryAugmentedCache::peak_bytes() const {
 }
 
 BudgetedHook::BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer,
-                           std::vector<std::int64_t> budgeted_layers)
-    : budgeted_(policy, budget, buffer, std::move(budgeted_layers)) {
+                           std::vector<std::int64_t> budgeted_layers, std::vector<std::int64_t> layer_budgets)
+    : budgeted_(policy, budget, buffer, std::move(budgeted_layers), std::move(layer_budgets)) {
   if (policy.memory()) memory_ = std::make_unique<MemoryAugmentedCache>(budgeted_, policy.memory());
 }
 

@@ -58,9 +58,9 @@ class MemoryAugmentedCache final : public AttentionHook {
 // carries a latent memory (make_policy("<policy>+mem")).
 class BudgetedHook {
  public:
-  // `budgeted_layers`: as BudgetedCache's `layers` (empty: every layer).
+  // `budgeted_layers`, `layer_budgets`: as BudgetedCache's `layers` (empty: every layer) and `layer_budgets`.
   BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0,
-               std::vector<std::int64_t> budgeted_layers = {});
+               std::vector<std::int64_t> budgeted_layers = {}, std::vector<std::int64_t> layer_budgets = {});
   BudgetedHook(const BudgetedHook&) = delete;
   BudgetedHook& operator=(const BudgetedHook&) = delete;
 

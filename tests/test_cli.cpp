@@ -174,6 +174,22 @@ TEST(Cli, AnUnavailableDeviceIsOneLineNamingTheKey) {
   }
 }
 
+// eval.layer_budget_shares needs one finite share > 0 per layer: anything else is one line naming the key, and
+// nothing is written.
+TEST(Cli, BadLayerBudgetSharesAreOneLineNamingTheKey) {
+  const fs::path out = fs::temp_directory_path() / ("kvbound_cli_shares_" + std::to_string(::getpid()));
+  for (const auto& [shares, message] : std::vector<std::pair<std::string, std::string>>{
+           {"[1,2]", "has 2 shares but the model has 5 layers"}, {"[1,1,0,1,1]", "every share must be finite and > 0"}}) {
+    const CliRun r = run("eval --set model.path=" + quote(kvbound::test::asset("stories260K")) + " --set eval.text=" +
+                         quote(kvbound::test::asset("text/tinystories_valid_first794KB_hf.txt")) +
+                         " --set eval.layer_budget_shares=" + shares + " --set eval.out_dir=" + out.string());
+    EXPECT_EQ(r.code, 1) << shares;
+    EXPECT_NE(r.err.find("config: eval.layer_budget_shares: " + message), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_FALSE(fs::exists(out)) << shares;
+  }
+}
+
 // Every config the repository ships resolves against its command's schema (train for configs/trimkv and
 // configs/indexmem, eval for configs/eval: with the model pointed nowhere, the first error is the model's;
 // configs/sweeps: a dry run resolves its keys and base configs).

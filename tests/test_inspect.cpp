@@ -7,6 +7,9 @@
 #include <fstream>
 #include <sstream>
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
+
 #include "eval/cache_inspection.h"
 #include "test_env.h"
 #include "tiny_cli_runs.h"
@@ -45,6 +48,18 @@ TEST(CacheInspection, FindsASlidingWindowAndAnAttentionSink) {
   EXPECT_DOUBLE_EQ(life[20], (8.0 + 7.0) / 2.0);
 }
 
+// Shares from gates: a layer whose tokens are forgotten slowly (log β −0.01) would hold most of a cross-layer
+// top-k; one that forgets fast (−1) holds its newest few; equal gates share equally. Mean 1 either way.
+TEST(CacheInspection, GateLayerSharesFollowTheGatesScores) {
+  const at::Tensor slow = at::full({1, 2, 40}, -0.01), fast = at::full({1, 2, 40}, -1.0);
+  const std::vector<double> uneven = gate_layer_shares({at::cat({fast, slow, fast})}, 8);
+  ASSERT_EQ(uneven.size(), 3u);
+  EXPECT_GT(uneven[1], 3 * uneven[0]);
+  EXPECT_DOUBLE_EQ(uneven[0], uneven[2]);
+  EXPECT_NEAR((uneven[0] + uneven[1] + uneven[2]) / 3, 1.0, 1e-12);
+  for (const double share : gate_layer_shares({at::cat({slow, slow}), at::cat({fast, fast})}, 8)) EXPECT_DOUBLE_EQ(share, 1.0);
+}
+
 TEST(InspectCli, DrawsAndSummarisesTrainedTrimKVAndIndexMem) {
   const test::TinyCli cli = test::stories260k_cli();
   test::TempDir dir("inspect_cli");
@@ -71,6 +86,36 @@ TEST(InspectCli, DrawsAndSummarisesTrainedTrimKVAndIndexMem) {
     EXPECT_EQ(head_rows, 5u * 4u) << md.str();  // one row per layer and KV head
     EXPECT_NE(md.str().find("Longest-lived tokens"), std::string::npos);
   }
+  // --layer-shares: one share per layer from the gates, mean 1, printed and written as YAML that eval reads; an
+  // indexer has no gates to derive them from.
+  out.clear();
+  ASSERT_EQ(test::run_kvbound("inspect " + (dir / "trimkv") + " --text " + cli.valid + " --layer-shares --budget 8 --tokens 64 " +
+                                  "--windows 3 --text-part 0,0.5 --threads 1 --out " + (dir / "shares"), &out, &err), 0) << err;
+  std::ifstream yaml(dir / "shares/layer_shares.yaml");
+  std::stringstream written;
+  written << yaml.rdbuf();
+  EXPECT_EQ(written.str(), out);
+  const std::size_t open = out.find("layer_budget_shares: [");
+  ASSERT_NE(open, std::string::npos) << out;
+  const std::string listed = out.substr(open + 22, out.find(']', open) - open - 22);
+  std::stringstream list(listed);
+  std::vector<double> shares;
+  for (std::string item; std::getline(list, item, ',');) shares.push_back(std::stod(item));
+  ASSERT_EQ(shares.size(), 5u) << out;
+  double sum = 0;
+  for (const double share : shares) {
+    EXPECT_GT(share, 0);
+    sum += share;
+  }
+  EXPECT_NEAR(sum / 5, 1.0, 0.01);
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "trimkv") + " --out " + (dir / "gates.safetensors"), &out, &err), 0) << err;
+  EXPECT_EQ(test::run_kvbound("eval --set model.path=" + cli.model + " --set eval.text=" + cli.valid + " --set eval.tasks=[continuation] " +
+                                  "--set eval.policies=[trimkv] --set trimkv.gates=" + (dir / "gates.safetensors") + " --set eval.budgets=[8] " +
+                                  "--set eval.num_windows=1 --set eval.context_len=48 --set eval.prefill_len=32 --set eval.score_from=32 " +
+                                  "--set eval.chunk_size=8 --set model.threads=1 --set eval.out_dir=" + (dir / "shares_eval") + " --set " +
+                                  "'eval.layer_budget_shares=[" + listed + "]'", &out, &err), 0) << err;
+  EXPECT_NE(test::run_kvbound("inspect " + (dir / "indexmem") + " --text " + cli.valid + " --layer-shares --out " + (dir / "x"), &out, &err), 0);
+  EXPECT_NE(err.find("--layer-shares needs TRIM-KV gates"), std::string::npos) << err;
   // The weights say which backbone they were trained on: another one is refused.
   EXPECT_NE(test::run_kvbound("inspect " + (dir / "trimkv") + " --text " + cli.valid + " --model " + test::default_model() +
                                   " --out " + (dir / "x"), &out, &err), 0);

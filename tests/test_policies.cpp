@@ -18,6 +18,7 @@
 #include <limits>
 #include <utility>
 
+#include "base/errors.h"
 #include "golden_reader.h"
 #include "modules/backbone.h"
 #include "modules/budgeted_cache.h"
@@ -109,6 +110,26 @@ TEST_P(EveryPolicy, BudgetedLayersAloneAreCut) {
   EXPECT_EQ(cache.size(0), T);
   if (policy->bounded()) EXPECT_LE(cache.size(1), 8 + (policy->pre_evicts() ? 1 : 0));
   else EXPECT_EQ(cache.size(1), T);
+}
+
+// eval.layer_budget_shares: each layer is cut to its own budget (here 4 and 12 alternating).
+TEST_P(EveryPolicy, EachLayerIsCutToItsOwnBudget) {
+  const test::TinyModel& f = tiny_model();
+  const std::int64_t L = f.model->config().num_layers;
+  std::vector<std::int64_t> budgets;
+  for (std::int64_t l = 0; l < L; ++l) budgets.push_back(l % 2 ? 12 : 4);
+  auto policy = make_policy(GetParam(), policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), 1);
+  BudgetedHook hook(*policy, 8, 0, {}, budgets);
+  KVCache cache = f.model->make_cache();
+  const std::int64_t T = f.tokens.size(1);
+  for (std::int64_t s = 0; s < 33; s += 5) f.model->forward(f.tokens.narrow(1, s, std::min<std::int64_t>(5, 33 - s)), cache, hook.get());
+  for (std::int64_t t = 33; t < T; ++t) f.model->forward(f.tokens.narrow(1, t, 1), cache, hook.get());
+  for (std::int64_t l = 0; l < L; ++l) {
+    const std::int64_t budget = budgets[static_cast<std::size_t>(l)];
+    if (!policy->bounded()) EXPECT_EQ(cache.size(l), T) << l;
+    else if (policy->pre_evicts()) EXPECT_EQ(cache.size(l), budget + 1) << l;  // cut before the last token's attention
+    else EXPECT_EQ(cache.size(l), budget) << l;
+  }
 }
 
 TEST_P(EveryPolicy, SameSeedSameResult) {
@@ -309,6 +330,18 @@ TEST(PolicyScores, TrimKVCutReachesHoldsOneEntryLessThanExceeds) {
 }  // namespace
 
 namespace {
+
+// The per-layer budgets of eval.layer_budget_shares: proportional, at least 1 each, L·M in all.
+TEST(BudgetedCacheEngine, ApportionBudgetSplitsLTimesMInProportion) {
+  EXPECT_EQ(apportion_budget(64, std::vector<double>(30, 0.7)), std::vector<std::int64_t>(30, 64));
+  EXPECT_EQ(apportion_budget(8, {1.0, 3.0}), (std::vector<std::int64_t>{1 + 4, 1 + 10}));  // 14 spare split 3.5 : 10.5
+  EXPECT_EQ(apportion_budget(2, {1.0, 1000.0, 1.0}), (std::vector<std::int64_t>{1, 4, 1}));
+  const std::vector<std::int64_t> b = apportion_budget(100, {0.3, 1.9, 1.1, 0.7});
+  EXPECT_EQ(b[0] + b[1] + b[2] + b[3], 400);
+  EXPECT_EQ(b, (std::vector<std::int64_t>{1 + 30, 1 + 188, 1 + 109, 1 + 69}));  // 396 spare: 29.7, 188.1, 108.9, 69.3
+  EXPECT_THROW(apportion_budget(8, {1.0, 0.0}), kvbound::Error);
+  EXPECT_THROW(apportion_budget(8, {1.0, std::nan("")}), kvbound::Error);
+}
 
 TEST(BudgetedCacheEngine, FullThroughTheEngineEqualsOnePlainForwardForAnyChunkSize) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
