@@ -348,9 +348,10 @@ TEST_F(MemPolicy, EndToEndKlLossIsTheEnginesForwardScoredAfterTheFirstEviction) 
     }
     EXPECT_GT(float64, 0);
     // The KL here is ~1e-5, a difference of nearly equal float32 log-probabilities: the grad path's attention
-    // (SDPA with autograd, the logsumexp formed apart) rounds differently from the no-grad run by ~1e-9 absolute. A
-    // wrong mask or budget average moves it by whole chunks' shares (> 10 %).
-    EXPECT_NEAR(loss.total.item<double>(), same_formula, 2e-3 * same_formula);
+    // (SDPA with autograd, the logsumexp formed apart) rounds differently from the no-grad run, by ~1e-9 absolute
+    // on one CPU and 4e-8 (0.23 %) on an AVX2-only one. A wrong mask or budget average moves it by whole chunks'
+    // shares (> 10 %).
+    EXPECT_NEAR(loss.total.item<double>(), same_formula, 1e-2 * same_formula);
     EXPECT_NEAR(loss.total.item<double>(), float64, 1e-2 * float64);
     EXPECT_TRUE(loss.stats.count("kl_M8") && loss.stats.count("kl_M20"));
     EXPECT_TRUE(loss.per_layer.empty());
