@@ -4,7 +4,6 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include "eval/plots.h"
 #include "eval/results.h"
 #include "modules/backbone.h"
+#include "modules/budgeted_cache.h"
 #include "modules/policies/registry.h"
 #include "cli/commands.h"
 #include "base/config.h"
@@ -89,13 +89,8 @@ int cmd_eval(int argc, char** argv) {
     if (layer < 0 || layer >= model->config().num_layers)
       fail("config", "eval.budgeted_layers", "layer " + std::to_string(layer) + " is not in [0, " +
                                                  std::to_string(model->config().num_layers) + ")");
-  const std::vector<double>& shares = settings.continuation.layer_budget_shares;
-  if (!shares.empty() && static_cast<std::int64_t>(shares.size()) != model->config().num_layers)
-    fail("config", "eval.layer_budget_shares", "has " + std::to_string(shares.size()) + " shares but the model has " +
-                                                   std::to_string(model->config().num_layers) + " layers");
-  for (const double share : shares)
-    if (!(share > 0) || !std::isfinite(share))
-      fail("config", "eval.layer_budget_shares", "every share must be finite and > 0, got " + std::to_string(share));
+  if (!settings.continuation.layer_budget_shares.empty())
+    check_layer_budget_shares(settings.continuation.layer_budget_shares, model->config().num_layers);
   // Learned weights are checked against this backbone, and every policy configured, before any evaluation work.
   TrainedModules modules;
   std::map<std::string, std::string> weights_meta;

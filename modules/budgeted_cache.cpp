@@ -119,11 +119,19 @@ void BudgetedCache::cut(const PolicyView& view, KVCache& cache) {
   ++evictions_;
 }
 
+void check_layer_budget_shares(const std::vector<double>& shares, std::int64_t num_layers) {
+  if (static_cast<std::int64_t>(shares.size()) != num_layers)
+    fail("config", "eval.layer_budget_shares", "has " + std::to_string(shares.size()) + " shares but the model has " +
+                                                   std::to_string(num_layers) + " layers");
+  for (const double s : shares)
+    if (!(s > 0) || !std::isfinite(s))
+      fail("config", "eval.layer_budget_shares", "every share must be finite and > 0, got " + std::to_string(s));
+}
+
 std::vector<std::int64_t> apportion_budget(std::int64_t budget, const std::vector<double>& shares) {
   const auto L = static_cast<std::int64_t>(shares.size());
   if (budget < 1) fail("eval", "budget", "must be >= 1, got " + std::to_string(budget));
-  for (const double s : shares)
-    if (!(s > 0) || !std::isfinite(s)) fail("eval", "layer_budget_shares", "every share must be finite and > 0, got " + std::to_string(s));
+  check_layer_budget_shares(shares, L);
   const double total_share = std::accumulate(shares.begin(), shares.end(), 0.0);
   // Every layer first gets 1 entry; the remaining L·(M − 1) go by largest remainder of the proportional split.
   const std::int64_t spare = L * (budget - 1);
@@ -138,7 +146,7 @@ std::vector<std::int64_t> apportion_budget(std::int64_t budget, const std::vecto
     remainders.emplace_back(exact - static_cast<double>(whole), l);
   }
   std::stable_sort(remainders.begin(), remainders.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (std::size_t i = 0; given < spare; ++i, ++given) ++out[remainders[i % remainders.size()].second];
+  for (std::size_t i = 0; given < spare; ++i, ++given) ++out[remainders[i].second];  // fewer than L are left
   return out;
 }
 

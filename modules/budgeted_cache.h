@@ -54,6 +54,8 @@ class BudgetedCache final : public AttentionHook {
 // Spreads the L·M entries that a budget of M per layer allows over L = shares.size() layers in proportion to
 // `shares` (each > 0): each layer gets at least 1 and the per-layer budgets sum to exactly L·M (largest
 // remainders round up). Equal shares give M in every layer.
+// Fails naming eval.layer_budget_shares unless `shares` holds one finite share > 0 per layer of `num_layers`.
+void check_layer_budget_shares(const std::vector<double>& shares, std::int64_t num_layers);
 std::vector<std::int64_t> apportion_budget(std::int64_t budget, const std::vector<double>& shares);
 
 // Attention probabilities of the chunk's queries over every cache entry, [B, Hkv, G, T, N] in float32,
