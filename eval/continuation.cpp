@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "base/errors.h"
+#include "modules/hindsight_attention.h"
 #include "modules/memory_cache.h"
 
 namespace kvbound {
@@ -50,6 +51,8 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
                                                          : apportion_budget(budget, settings.layer_budget_shares));
   KVCache cache = model.make_cache();
   const at::Tensor tokens = ref.tokens.unsqueeze(0);
+  // The oracle's hindsight: every row that runs (the last token predicts nothing); rows from score_from - 1 are scored.
+  if (policy.needs_hindsight()) policy.set_hindsight(hindsight_attention(model, tokens.narrow(1, 0, T - 1), settings.score_from - 1));
 
   // Prefill in chunks; only the last row's logits are needed (it predicts the first decoded token).
   auto t0 = Clock::now();

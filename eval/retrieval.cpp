@@ -6,6 +6,7 @@
 #include <random>
 
 #include "base/errors.h"
+#include "modules/hindsight_attention.h"
 #include "modules/memory_cache.h"
 #include "modules/sampler.h"
 
@@ -37,6 +38,7 @@ std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, cons
       c.prompt.insert(c.prompt.end(), filler.begin(), filler.begin() + split);
       c.prompt.insert(c.prompt.end(), needle.begin(), needle.end());
       c.prompt.insert(c.prompt.end(), filler.begin() + split, filler.end());
+      c.question_start = static_cast<std::int64_t>(c.prompt.size());
       c.prompt.insert(c.prompt.end(), question.begin(), question.end());
       cases.push_back(std::move(c));
     }
@@ -44,16 +46,21 @@ std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, cons
   return cases;
 }
 
-std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
-                             std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
-  BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers,
-                    s.layer_budget_shares.empty() ? std::vector<std::int64_t>{} : apportion_budget(budget, s.layer_budget_shares));
+namespace {
+
+at::Tensor as_row(const std::vector<std::int64_t>& tokens) {
+  return at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+}
+
+// Greedy answer tokens (EOS not included) after a chunked prefill of the prompt, under `hook` (null: full cache).
+std::vector<std::int64_t> greedy_answer(const Backbone& model, const Tokenizer& tokenizer, AttentionHook* hook,
+                                        const RetrievalSettings& s, const std::vector<std::int64_t>& prompt_tokens) {
   KVCache cache = model.make_cache();
-  const at::Tensor prompt = at::tensor(c.prompt, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  const at::Tensor prompt = as_row(prompt_tokens);
   const std::int64_t T = prompt.size(1);
   at::Tensor logits;
   for (std::int64_t start = 0; start < T; start += s.chunk_size) {
-    const at::Tensor hidden = model.forward_hidden(prompt.narrow(1, start, std::min(s.chunk_size, T - start)), cache, hook.get());
+    const at::Tensor hidden = model.forward_hidden(prompt.narrow(1, start, std::min(s.chunk_size, T - start)), cache, hook);
     logits = model.logits(hidden[0][-1]);
   }
   Sampler greedy({});
@@ -62,10 +69,26 @@ std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, 
     const std::int64_t next = greedy.next(logits);
     if (next == tokenizer.eos_id()) break;
     answer.push_back(next);
-    const at::Tensor input = at::tensor(std::vector<std::int64_t>{next}, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
-    logits = model.logits(model.forward_hidden(input, cache, hook.get())[0][-1]);
+    logits = model.logits(model.forward_hidden(as_row({next}), cache, hook)[0][-1]);
   }
-  return tokenizer.decode(answer);
+  return answer;
+}
+
+}  // namespace
+
+std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
+                             std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
+  if (policy.needs_hindsight()) {
+    // Every row that produces the full model's answer (the last answer token's predicts nothing); the question's and
+    // the answer's rows are the scored ones.
+    std::vector<std::int64_t> seen = c.prompt;
+    const std::vector<std::int64_t> full_answer = greedy_answer(model, tokenizer, nullptr, s, c.prompt);
+    if (!full_answer.empty()) seen.insert(seen.end(), full_answer.begin(), full_answer.end() - 1);
+    policy.set_hindsight(hindsight_attention(model, as_row(seen), c.question_start));
+  }
+  BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers,
+                    s.layer_budget_shares.empty() ? std::vector<std::int64_t>{} : apportion_budget(budget, s.layer_budget_shares));
+  return tokenizer.decode(greedy_answer(model, tokenizer, hook.get(), s, c.prompt));
 }
 
 bool retrieval_correct(const std::string& answer, const std::string& passkey) {

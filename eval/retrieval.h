@@ -29,12 +29,14 @@ struct RetrievalCase {
   std::vector<std::int64_t> prompt;
   std::string passkey;
   double depth = 0;
+  std::int64_t question_start = 0;  // the question's first position in `prompt`
 };
 
 std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, const TextWindows& text,
                                                 const RetrievalSettings& settings);
 
-// Greedy answer of the model under `policy` and `budget` for one case (the decoded answer text).
+// Greedy answer of the model under `policy` and `budget` for one case (the decoded answer text). A hindsight
+// policy (oracle) is first handed what the full-cache model's question and answer rows attend to.
 std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
                              std::int64_t budget, const RetrievalSettings& settings, const RetrievalCase& c);
 

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "modules/backbone.h"
+#include "modules/hindsight_attention.h"
 #include "modules/kv_cache.h"
 
 namespace kvbound {
@@ -45,6 +46,11 @@ class EvictionPolicy {
   // then only adds the chunk's own entries. The chunk's attention so runs over the kept set plus the chunk.
   virtual bool pre_evicts() const { return false; }
   virtual void observe_before(const PolicyView& view) { (void)view; }
+  // A hindsight policy (`oracle`) ranks entries by what the full-cache model's later queries attend to, which no
+  // deployable policy can know: the engine that runs it (eval's continuation and retrieval) hands it, before the
+  // sequence's first chunk, the full model's attention over the sequence (modules/hindsight_attention.h).
+  virtual bool needs_hindsight() const { return false; }
+  virtual void set_hindsight(Hindsight hindsight) { (void)hindsight; }
   // Keep-scores [B, Hkv, N] for the cache entries of view.layer (higher = keep).
   virtual at::Tensor score(const PolicyView& view) = 0;
   // The cache kept entries `index` [B, Hkv, M] (sorted) of `layer`: gather per-entry state.

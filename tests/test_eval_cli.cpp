@@ -66,6 +66,27 @@ TEST_F(EvalCli, WritesEveryPolicyAndBudget) {
     EXPECT_TRUE(fs::exists(results / f)) << f;
 }
 
+// The oracle through eval's two tasks, which hand it the full model's attention: a row per budget with every
+// metric, and closer to the full cache than random eviction at each budget.
+TEST_F(EvalCli, OracleRunsBothTasksCloserToTheFullCacheThanRandom) {
+  std::string out, err;
+  const fs::path results = dir_ / "out";
+  ASSERT_EQ(run((dir_ / "eval.yaml").string() + " --set eval.policies=[random,oracle] --set eval.out_dir=" + results.string(),
+                &out, &err),
+            0)
+      << err;
+  std::ifstream in(results / "results.json");
+  const auto j = nlohmann::json::parse(in);
+  std::map<std::string, double> kl;
+  for (const auto& row : j["rows"]) {
+    EXPECT_TRUE(row["metrics"].contains("retrieval_acc")) << row.dump();
+    kl[row["policy"].get<std::string>() + "@" + std::to_string(row["budget"].get<int>())] = row["metrics"]["kl_to_full"].get<double>();
+  }
+  ASSERT_EQ(kl.size(), 4u);
+  for (const char* budget : {"8", "16"})
+    EXPECT_LT(kl[std::string("oracle@") + budget], kl[std::string("random@") + budget]) << "M = " << budget;
+}
+
 TEST_F(EvalCli, UnknownKeyNamesTheClosestOne) {
   std::string out, err;
   EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.budgts=[8]", &out, &err), 0);

@@ -495,6 +495,18 @@ TEST_F(MemPolicy, PeakBytesCountTheCacheAndTheStateAlone) {
   EXPECT_EQ(with_memory - plain_cache, c.num_layers * B * Hkv * d_m * (D + 1) * 4);
 }
 
+// The oracle ranks by attention that training has not computed when it cuts: refused, naming the key, before a run.
+TEST(MemPolicyCli, AMemoryCannotTrainUnderTheOracle) {
+  const auto cli = test::stories260k_cli();
+  test::TempDir dir("memory_oracle");
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(
+      cli, "  method: memory\n  steps: 3\n", "memory:\n  policy: oracle\nrun:\n  out_dir: " + (dir / "run") + "\n");
+  std::string out, err;
+  EXPECT_NE(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0);
+  EXPECT_NE(err.find("memory.policy: 'oracle' ranks by the full model's future attention"), std::string::npos) << err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "run/metrics.jsonl"));
+}
+
 // The real CLI on stories260K: 3 steps of 2 rows of 32 tokens, one thread; export; evaluate h2o+mem.
 TEST(MemPolicyCli, TrainsExportsAndEvaluates) {
   const auto cli = test::stories260k_cli();

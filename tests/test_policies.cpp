@@ -12,6 +12,7 @@
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/triu.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "golden_reader.h"
 #include "modules/backbone.h"
 #include "modules/budgeted_cache.h"
+#include "modules/hindsight_attention.h"
 #include "modules/memory_cache.h"
 #include "modules/indexer.h"
 #include "modules/retention_gate.h"
@@ -61,11 +63,20 @@ std::shared_ptr<const LatentMemory> open_memory() {
   return memory;
 }
 
+// A fresh policy of the matrix; the oracle is handed the full model's attention over the tiny model's tokens, the
+// last 8 rows scored, as eval's engine would.
+std::unique_ptr<EvictionPolicy> matrix_policy(const std::string& name, std::uint64_t seed) {
+  auto policy = make_policy(name, policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), seed);
+  const test::TinyModel& f = tiny_model();
+  if (policy->needs_hindsight()) policy->set_hindsight(hindsight_attention(*f.model, f.tokens, f.tokens.size(1) - 8));
+  return policy;
+}
+
 // Chunked prefill of the first `prefill` tokens, then token-by-token decode; returns every logit.
 at::Tensor run_policy(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
                       std::uint64_t seed, std::int64_t* peak = nullptr) {
   const test::TinyModel& f = tiny_model();
-  auto policy = make_policy(name, policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), seed);
+  auto policy = matrix_policy(name, seed);
   BudgetedHook hook(*policy, budget);  // with the latent memory for "+mem"
   InvariantCheck check;
   check.inner = hook.get();
@@ -101,7 +112,7 @@ TEST_P(EveryPolicy, StaysWithinBudgetPlusChunkWithSortedPositions) {
 TEST_P(EveryPolicy, BudgetedLayersAloneAreCut) {
   const test::TinyModel& f = tiny_model();
   ASSERT_GE(f.model->config().num_layers, 2);
-  auto policy = make_policy(GetParam(), policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), 1);
+  auto policy = matrix_policy(GetParam(), 1);
   BudgetedHook hook(*policy, 8, 0, {1});
   KVCache cache = f.model->make_cache();
   const std::int64_t T = f.tokens.size(1);
@@ -118,7 +129,7 @@ TEST_P(EveryPolicy, EachLayerIsCutToItsOwnBudget) {
   const std::int64_t L = f.model->config().num_layers;
   std::vector<std::int64_t> budgets;
   for (std::int64_t l = 0; l < L; ++l) budgets.push_back(l % 2 ? 12 : 4);
-  auto policy = make_policy(GetParam(), policy_config({"snapkv.window=6"}), test::tiny_learned_modules(open_memory()), 1);
+  auto policy = matrix_policy(GetParam(), 1);
   BudgetedHook hook(*policy, 8, 0, {}, budgets);
   KVCache cache = f.model->make_cache();
   const std::int64_t T = f.tokens.size(1);
@@ -239,6 +250,58 @@ TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
   for (std::int64_t l = 0; l < tiny_model().model->config().num_layers; ++l) {
     const at::Tensor expected = full_attention(cap, l, Hkv).select(2, T - 1).mean(1);
     EXPECT_LE((scores[static_cast<std::size_t>(l)] - expected).abs().max().item<double>(), 1e-6) << "layer " << l;
+  }
+}
+
+// The oracle against the brute-force attention matrix, at a cut after the chunk of positions 16..20: `scored` is the
+// mean over the scored rows (the last 8) and the group's heads, `later` the sum over every query after position 20.
+TEST(PolicyScores, OracleRanksByTheFullModelsFutureAttention) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const test::TinyModel& f = tiny_model();
+  const std::int64_t T = f.tokens.size(1), Hkv = f.model->config().num_kv_heads, first = T - 8, newest = 20;
+  Capture cap;
+  KVCache full = f.model->make_cache();
+  f.model->forward(f.tokens, full, &cap);
+  KVCache cache = f.model->make_cache();
+  f.model->forward(f.tokens.narrow(1, 0, newest + 1), cache);
+  AttentionCall chunk;
+  chunk.start = newest - 4;
+  chunk.q = at::zeros({1, cap.q[0].size(1), 5, cap.q[0].size(3)});
+  for (const std::string queries : {"scored", "later"}) {
+    auto policy = make_policy("oracle", policy_config({"oracle.queries=" + queries}), {});
+    policy->set_hindsight(hindsight_attention(*f.model, f.tokens, first));
+    for (std::int64_t l = 0; l < f.model->config().num_layers; ++l) {
+      const at::Tensor A = full_attention(cap, l, Hkv).mean(1);  // [Hkv, T, T]
+      const at::Tensor expected = queries == "scored" ? A.narrow(1, first, T - first).mean(1)
+                                                      : A.narrow(1, newest + 1, T - newest - 1).sum(1);
+      PolicyView v;
+      v.layer = l;
+      v.call = &chunk;
+      v.cache = &cache;
+      const at::Tensor got = policy->score(v)[0];  // [Hkv, newest + 1]
+      EXPECT_LE((got - expected.narrow(-1, 0, newest + 1)).abs().max().item<double>(), 1e-6) << queries << " layer " << l;
+    }
+  }
+}
+
+// Anywhere but eval's tasks nothing hands the oracle its hindsight: the first cut says so; a bad key names itself.
+TEST(PolicyScores, OracleWithoutHindsightOrWithABadKeyIsOneLineNamingIt) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const test::TinyModel& f = tiny_model();
+  auto policy = make_policy("oracle", policy_config(), {});
+  BudgetedCache budgeted(*policy, 4);
+  KVCache cache = f.model->make_cache();
+  try {
+    f.model->forward(f.tokens.narrow(1, 0, 10), cache, &budgeted);
+    ADD_FAILURE() << "no error";
+  } catch (const kvbound::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("oracle: ranks by the full model's future attention"), std::string::npos) << e.what();
+  }
+  try {
+    make_policy("oracle", policy_config({"oracle.queries=future"}), {});
+    ADD_FAILURE() << "no error";
+  } catch (const kvbound::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("oracle.queries: must be scored or later, got 'future'"), std::string::npos) << e.what();
   }
 }
 

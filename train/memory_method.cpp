@@ -59,6 +59,8 @@ MemoryMethod::MemoryMethod(const Backbone& model, const MemorySettings& settings
       base_(settings.policy, settings.policy_config, settings.base_modules),
       with_memory_(settings.policy + "+mem", settings.policy_config, with_live_memory(settings.base_modules, memory_)) {
   memory_->to(model.device());
+  if (base_.make(seed)->needs_hindsight())
+    fail("config", "memory.policy", "'" + settings.policy + "' ranks by the full model's future attention, which only evaluation hands it");
   if (settings.chunk < 1) fail("config", "memory.chunk", "must be >= 1");
   if (settings.budgets.empty()) fail("config", "memory.budgets", "needs at least one budget");
   for (std::int64_t b : settings.budgets)
