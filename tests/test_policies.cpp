@@ -253,6 +253,21 @@ TEST(PolicyScores, TovaIsTheLastQueryGroupMean) {
   }
 }
 
+// trimkv.attention_weight α: the gates' keep-score plus α·log of h2o's mean received attention, entry by entry.
+TEST(PolicyScores, TrimKVAttentionWeightAddsTheLogOfH2OsStatistic) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  Capture unused;
+  const auto gates = policy_scores("trimkv", &unused);
+  const auto attention = policy_scores("h2o", &unused, policy_config({"h2o.recent=0"}));
+  const auto both = policy_scores("trimkv", &unused, policy_config({"trimkv.attention_weight=0.5"}));
+  ASSERT_EQ(both.size(), gates.size());
+  for (std::size_t l = 0; l < both.size(); ++l) {
+    const at::Tensor expected = gates[l] + 0.5 * at::log(attention[l]);
+    EXPECT_LE((both[l] - expected).abs().max().item<double>(), 1e-5) << "layer " << l;
+  }
+  EXPECT_THROW(make_policy("trimkv", policy_config({"trimkv.attention_weight=-1"}), test::tiny_learned_modules()), kvbound::Error);
+}
+
 // The oracle against the brute-force attention matrix, at a cut after the chunk of positions 16..20: `scored` is the
 // mean over the scored rows (the last 8) and the group's heads, `later` the sum over every query after position 20.
 TEST(PolicyScores, OracleRanksByTheFullModelsFutureAttention) {

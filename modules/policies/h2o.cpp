@@ -16,29 +16,18 @@ class H2O final : public EvictionPolicy {
   explicit H2O(std::int64_t recent) : recent_(recent) {}
   bool needs_attention() const override { return true; }
 
-  void observe(const PolicyView& v) override {
-    const at::Tensor kpos = v.cache->positions(v.layer);  // [B, Hkv, N]
-    const at::Tensor qpos = v.call->positions;            // [T]
-    const std::int64_t n = kpos.size(-1), group = v.probs.size(2);
-    at::Tensor& received = received_.extend(v.layer, n, kpos.to(at::kFloat));
-    at::Tensor& seen = seen_.extend(v.layer, n, kpos.to(at::kFloat));
-    received = received + v.probs.sum({2, 3});
-    seen = seen + (kpos.unsqueeze(-1) <= qpos.view({1, 1, 1, -1})).sum(-1).to(at::kFloat) * group;
-  }
+  void observe(const PolicyView& v) override { attention_.observe(v); }
 
   at::Tensor score(const PolicyView& v) override {
-    const at::Tensor mean = received_.get(v.layer) / seen_.get(v.layer).clamp_min(1);
-    return protect_recent(mean, v.cache->positions(v.layer), v.call->start + v.call->q.size(2) - 1, recent_);
+    return protect_recent(attention_.mean(v.layer), v.cache->positions(v.layer), v.call->start + v.call->q.size(2) - 1,
+                          recent_);
   }
 
-  void retained(std::int64_t layer, const at::Tensor& index) override {
-    received_.gather(layer, index);
-    seen_.gather(layer, index);
-  }
+  void retained(std::int64_t layer, const at::Tensor& index) override { attention_.gather(layer, index); }
 
  private:
   std::int64_t recent_;
-  PerEntryState received_, seen_;
+  MeanReceivedAttention attention_;
 };
 
 }  // namespace

@@ -10,6 +10,8 @@
 #include <limits>
 #include <vector>
 
+#include "modules/eviction_policy.h"
+
 namespace kvbound::policies {
 
 // One [B, Hkv, N] tensor per layer that follows the cache: grows (zero-filled) as chunks are appended
@@ -32,6 +34,30 @@ class PerEntryState {
 
  private:
   std::vector<at::Tensor> per_layer_;
+};
+
+// H2O's statistic, per layer [B, Hkv, N]: the attention each cached entry has received, summed over every query
+// that saw it and over the query heads of its KV group, divided by the number of (query, head) pairs that saw
+// it — its mean received attention. Fed after every chunk (PolicyView::probs), gathered with the cache.
+class MeanReceivedAttention {
+ public:
+  void observe(const PolicyView& v) {
+    const at::Tensor kpos = v.cache->positions(v.layer);  // [B, Hkv, N]
+    const at::Tensor qpos = v.call->positions;            // [T]
+    const std::int64_t n = kpos.size(-1), group = v.probs.size(2);
+    at::Tensor& received = received_.extend(v.layer, n, kpos.to(at::kFloat));
+    at::Tensor& seen = seen_.extend(v.layer, n, kpos.to(at::kFloat));
+    received = received + v.probs.sum({2, 3});
+    seen = seen + (kpos.unsqueeze(-1) <= qpos.view({1, 1, 1, -1})).sum(-1).to(at::kFloat) * group;
+  }
+  at::Tensor mean(std::int64_t layer) const { return received_.get(layer) / seen_.get(layer).clamp_min(1); }
+  void gather(std::int64_t layer, const at::Tensor& index) {
+    received_.gather(layer, index);
+    seen_.gather(layer, index);
+  }
+
+ private:
+  PerEntryState received_, seen_;
 };
 
 // +inf for the `recent` newest positions (they are always kept), `score` elsewhere.

@@ -13,8 +13,10 @@
 //   Σ_{k=1..n} β^(a+k) = β^(a+1)·(1 − β^n)/(1 − β) with a = t + o − pos, in logs as the official
 //   compute_log_G does it (positive round-off of n·log β and log β clamped to −1e-9).
 // - trimkv.sliding_window w: the w newest cached entries are always kept.
-// And one rule of kvbound's own, not in the official cache: trimkv.sinks s keeps positions 0..s−1 (the
-// attention sinks StreamingLLM keeps) whatever their gates say.
+// And two rules of kvbound's own, not in the official cache: trimkv.sinks s keeps positions 0..s−1 (the
+// attention sinks StreamingLLM keeps) whatever their gates say; trimkv.attention_weight α > 0 adds α·log of the
+// entry's mean received attention (h2o's statistic) to its keep-score, ranking by β^(t+o−pos)·attention^α: the
+// gate's prediction from the token itself weighed with the evidence of what the queries so far attended.
 #include <ATen/ops/exp.h>
 #include <ATen/ops/expm1.h>
 #include <ATen/ops/full_like.h>
@@ -39,6 +41,7 @@ struct TrimKVOptions {
   std::int64_t lookahead = 1;
   std::int64_t sliding_window = 0;
   std::int64_t sinks = 0;
+  double attention_weight = 0;
 };
 
 TrimKVOptions trimkv_options(const Config& c) {
@@ -53,6 +56,9 @@ TrimKVOptions trimkv_options(const Config& c) {
   if (o.sliding_window < 0) fail("config", "trimkv.sliding_window", "must be >= 0");
   o.sinks = c.get_int("trimkv.sinks");
   if (o.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
+  o.attention_weight = c.get_float("trimkv.attention_weight");
+  if (!(o.attention_weight >= 0) || !std::isfinite(o.attention_weight))
+    fail("config", "trimkv.attention_weight", "must be finite and >= 0");
   return o;
 }
 
@@ -70,7 +76,10 @@ class TrimKV final : public EvictionPolicy {
     return options_.cut_when_reached ? budget + buffer - 1 : budget + buffer;
   }
 
+  bool needs_attention() const override { return options_.attention_weight > 0; }
+
   void observe(const PolicyView& v) override {
+    if (needs_attention()) attention_.observe(v);
     const std::int64_t n = v.cache->size(v.layer), t = v.call->positions.size(0);
     const at::Tensor kpos = v.cache->positions(v.layer);
     at::Tensor& log_beta = log_beta_.extend(v.layer, n, kpos.to(at::kFloat));
@@ -82,6 +91,9 @@ class TrimKV final : public EvictionPolicy {
     const at::Tensor age = now - v.cache->positions(v.layer).to(at::kFloat);
     const at::Tensor& log_beta = log_beta_.get(v.layer);
     at::Tensor score = options_.lookahead == 1 ? age * log_beta : lookahead_score(age, log_beta);
+    // The smallest normal float keeps log finite for an entry no query attended (its mean is 0 only then).
+    if (needs_attention())
+      score = score + options_.attention_weight * at::log(attention_.mean(v.layer).clamp_min(std::numeric_limits<float>::min()));
     if (options_.sliding_window > 0) {
       const std::int64_t w = std::min(options_.sliding_window, score.size(-1));
       score.narrow(-1, score.size(-1) - w, w).fill_(std::numeric_limits<float>::infinity());
@@ -91,7 +103,10 @@ class TrimKV final : public EvictionPolicy {
     return score;
   }
 
-  void retained(std::int64_t layer, const at::Tensor& index) override { log_beta_.gather(layer, index); }
+  void retained(std::int64_t layer, const at::Tensor& index) override {
+    log_beta_.gather(layer, index);
+    if (needs_attention()) attention_.gather(layer, index);
+  }
 
  private:
   at::Tensor lookahead_score(const at::Tensor& age, const at::Tensor& log_beta) const {
@@ -104,6 +119,7 @@ class TrimKV final : public EvictionPolicy {
   std::shared_ptr<const RetentionGates> gates_;
   TrimKVOptions options_;
   PerEntryState log_beta_;
+  MeanReceivedAttention attention_;  // trimkv.attention_weight > 0 only
 };
 
 }  // namespace
@@ -121,7 +137,10 @@ extern const PolicyRegistration trimkv{
           .add("trimkv.sliding_window", ConfigType::Int, "0", "trimkv policy: the newest w cached tokens are always kept")
           .add("trimkv.sinks", ConfigType::Int, "0",
                "trimkv policy: positions 0..s-1 (attention sinks) are always kept (kvbound's rule, not the official cache's); "
-               "trimkv training: the student keeps them at beta = 1");
+               "trimkv training: the student keeps them at beta = 1")
+          .add("trimkv.attention_weight", ConfigType::Float, "0",
+               "trimkv policy: add this times log(mean received attention), h2o's statistic, to the keep-score (0: off; "
+               "kvbound's rule, not the official cache's)");
     },
     [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
       const TrimKVOptions options = trimkv_options(c);
