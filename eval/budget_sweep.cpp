@@ -45,10 +45,15 @@ EvalResults run_budget_sweep(const Backbone& model, const Tokenizer& tokenizer, 
   std::vector<RetrievalCase> cases;
   if (s.run_retrieval) cases = make_retrieval_cases(tokenizer, text, s.retrieval);
 
+  // The oracle's hindsight, once per window or case for every run that needs it.
+  bool needs_hindsight = false;
+  for (const Run& run : runs) needs_hindsight = needs_hindsight || run.policy->make(0)->needs_hindsight();
+
   ProgressBar progress("eval", static_cast<std::int64_t>(runs.size() * (windows.size() + cases.size())));
   std::map<std::size_t, ContinuationTotals> totals;
   for (std::size_t w = 0; w < windows.size(); ++w) {
-    const ContinuationReference ref = continuation_reference(model, windows[w], s.continuation);
+    ContinuationReference ref = continuation_reference(model, windows[w], s.continuation);
+    if (needs_hindsight) ref.hindsight = continuation_hindsight(model, ref, s.continuation);
     for (std::size_t r = 0; r < runs.size(); ++r) {
       auto policy = fresh(runs[r], s.seed, w);
       run_continuation(model, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.continuation, ref, totals[r]);
@@ -57,10 +62,11 @@ EvalResults run_budget_sweep(const Backbone& model, const Tokenizer& tokenizer, 
   }
   std::map<std::size_t, std::int64_t> correct;
   for (std::size_t c = 0; c < cases.size(); ++c) {
+    const Hindsight hindsight = needs_hindsight ? retrieval_hindsight(model, tokenizer, s.retrieval, cases[c]) : Hindsight{};
     for (std::size_t r = 0; r < runs.size(); ++r) {
       auto policy = fresh(runs[r], s.seed, 7777 + c);
       const std::string answer =
-          answer_retrieval(model, tokenizer, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.retrieval, cases[c]);
+          answer_retrieval(model, tokenizer, *policy, std::max<std::int64_t>(runs[r].budget, 1), s.retrieval, cases[c], hindsight);
       correct[r] += retrieval_correct(answer, cases[c].passkey) ? 1 : 0;
       progress.advance(1, "passkey " + std::to_string(c + 1) + " " + runs[r].policy->name());
     }

@@ -7,7 +7,6 @@
 #include <chrono>
 
 #include "base/errors.h"
-#include "modules/hindsight_attention.h"
 #include "modules/memory_cache.h"
 
 namespace kvbound {
@@ -41,6 +40,12 @@ ContinuationReference continuation_reference(const Backbone& model, const std::v
   return ref;
 }
 
+Hindsight continuation_hindsight(const Backbone& model, const ContinuationReference& ref,
+                                 const ContinuationSettings& settings) {
+  const std::int64_t T = ref.tokens.size(0);
+  return hindsight_attention(model, ref.tokens.narrow(0, 0, T - 1).unsqueeze(0), settings.score_from - 1);
+}
+
 void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_t budget,
                       const ContinuationSettings& settings, const ContinuationReference& ref,
                       ContinuationTotals& totals) {
@@ -51,8 +56,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
                                                          : apportion_budget(budget, settings.layer_budget_shares));
   KVCache cache = model.make_cache();
   const at::Tensor tokens = ref.tokens.unsqueeze(0);
-  // The oracle's hindsight: every row that runs (the last token predicts nothing); rows from score_from - 1 are scored.
-  if (policy.needs_hindsight()) policy.set_hindsight(hindsight_attention(model, tokens.narrow(1, 0, T - 1), settings.score_from - 1));
+  if (policy.needs_hindsight()) policy.set_hindsight(ref.hindsight);
 
   // Prefill in chunks; only the last row's logits are needed (it predicts the first decoded token).
   auto t0 = Clock::now();

@@ -9,6 +9,7 @@
 
 #include "modules/backbone.h"
 #include "modules/eviction_policy.h"
+#include "modules/hindsight_attention.h"
 
 namespace kvbound {
 
@@ -25,6 +26,7 @@ struct ContinuationSettings {
 struct ContinuationReference {
   at::Tensor tokens;        // [T] int64, BOS first
   at::Tensor full_logprobs; // [S, V] float32, row i predicts tokens[score_from + i]
+  Hindsight hindsight;      // for a hindsight policy (oracle) only: continuation_hindsight's, once per window
 };
 
 // Sums over scored positions; rates and means come from these.
@@ -38,6 +40,11 @@ struct ContinuationTotals {
 
 ContinuationReference continuation_reference(const Backbone& model, const std::vector<std::int64_t>& window,
                                              const ContinuationSettings& settings);
+
+// The full model's attention over every row that runs (the last token predicts nothing), rows from
+// score_from − 1 scored: what an oracle ranks by (modules/hindsight_attention.h). One forward of T − 1 tokens.
+Hindsight continuation_hindsight(const Backbone& model, const ContinuationReference& reference,
+                                 const ContinuationSettings& settings);
 
 // Runs one window under `policy` with `budget` entries per layer and KV head (ignored by `full`) and
 // adds its sums to `totals`.

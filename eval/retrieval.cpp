@@ -6,7 +6,6 @@
 #include <random>
 
 #include "base/errors.h"
-#include "modules/hindsight_attention.h"
 #include "modules/memory_cache.h"
 #include "modules/sampler.h"
 
@@ -76,16 +75,18 @@ std::vector<std::int64_t> greedy_answer(const Backbone& model, const Tokenizer& 
 
 }  // namespace
 
+Hindsight retrieval_hindsight(const Backbone& model, const Tokenizer& tokenizer, const RetrievalSettings& s,
+                              const RetrievalCase& c) {
+  std::vector<std::int64_t> seen = c.prompt;
+  const std::vector<std::int64_t> full_answer = greedy_answer(model, tokenizer, nullptr, s, c.prompt);
+  if (!full_answer.empty()) seen.insert(seen.end(), full_answer.begin(), full_answer.end() - 1);
+  return hindsight_attention(model, as_row(seen), c.question_start);
+}
+
 std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
-                             std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c) {
-  if (policy.needs_hindsight()) {
-    // Every row that produces the full model's answer (the last answer token's predicts nothing); the question's and
-    // the answer's rows are the scored ones.
-    std::vector<std::int64_t> seen = c.prompt;
-    const std::vector<std::int64_t> full_answer = greedy_answer(model, tokenizer, nullptr, s, c.prompt);
-    if (!full_answer.empty()) seen.insert(seen.end(), full_answer.begin(), full_answer.end() - 1);
-    policy.set_hindsight(hindsight_attention(model, as_row(seen), c.question_start));
-  }
+                             std::int64_t budget, const RetrievalSettings& s, const RetrievalCase& c,
+                             const Hindsight& hindsight) {
+  if (policy.needs_hindsight()) policy.set_hindsight(hindsight);
   BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers,
                     s.layer_budget_shares.empty() ? std::vector<std::int64_t>{} : apportion_budget(budget, s.layer_budget_shares));
   return tokenizer.decode(greedy_answer(model, tokenizer, hook.get(), s, c.prompt));

@@ -10,6 +10,7 @@
 #include "data/text_windows.h"
 #include "modules/backbone.h"
 #include "modules/eviction_policy.h"
+#include "modules/hindsight_attention.h"
 
 namespace kvbound {
 
@@ -35,10 +36,16 @@ struct RetrievalCase {
 std::vector<RetrievalCase> make_retrieval_cases(const Tokenizer& tokenizer, const TextWindows& text,
                                                 const RetrievalSettings& settings);
 
+// The full model's attention over every row that produces its own greedy answer (the prompt, then the answer but
+// its last token), the question's and the answer's rows scored: what an oracle ranks by. Once per case.
+Hindsight retrieval_hindsight(const Backbone& model, const Tokenizer& tokenizer, const RetrievalSettings& settings,
+                              const RetrievalCase& c);
+
 // Greedy answer of the model under `policy` and `budget` for one case (the decoded answer text). A hindsight
-// policy (oracle) is first handed what the full-cache model's question and answer rows attend to.
+// policy (oracle) is first handed `hindsight` (retrieval_hindsight's).
 std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, EvictionPolicy& policy,
-                             std::int64_t budget, const RetrievalSettings& settings, const RetrievalCase& c);
+                             std::int64_t budget, const RetrievalSettings& settings, const RetrievalCase& c,
+                             const Hindsight& hindsight = {});
 
 // Whether the first run of digits in `answer` is exactly `passkey`.
 bool retrieval_correct(const std::string& answer, const std::string& passkey);
