@@ -31,7 +31,8 @@ ConfigSchema train_schema() {
            "[from, to): the share of data.eval_text's paragraphs the periodic eval (and so --best) uses")
       .add("train.method", ConfigType::String, "trimkv", "what to train: " + method_list())
       .add("train.init_from", ConfigType::String, "\"\"",
-           "a later stage's start: the earlier stage's run folder (its best.safetensors, else latest checkpoint) or export")
+           "weights to start from, a run folder (its best.safetensors, else latest checkpoint) or export: the earlier "
+           "stage of joint and memory; trimkv: gates to continue training")
       .add("train.steps", ConfigType::Int, "200", "optimizer updates")
       .add("train.seq_len", ConfigType::Int, "256", "tokens per row T (BOS included); rows never cross documents")
       .add("train.batch_size", ConfigType::Int, "8", "rows per micro-batch")

@@ -7,14 +7,17 @@
 
 namespace kvbound::losses {
 
-at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid) {
-  const at::Tensor invalid = valid.logical_not();
+at::Tensor listwise_kl_rows(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& invalid) {
   const at::Tensor a = teacher_a.to(at::kFloat).masked_fill(invalid, 0);
   const at::Tensor p_t = a / a.sum(-1, true).clamp_min(std::numeric_limits<float>::min());
   // log p_S is −inf at invalid keys: zero it there so 0 · (−inf) never makes a NaN (forward or backward).
   const at::Tensor z = student_z.to(at::kFloat).masked_fill(invalid, -std::numeric_limits<float>::infinity());
   const at::Tensor log_ps = at::log_softmax(z, -1).masked_fill(invalid, 0);
-  return (at::xlogy(p_t, p_t) - p_t * log_ps).sum(-1).mean();
+  return (at::xlogy(p_t, p_t) - p_t * log_ps).sum(-1);
+}
+
+at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid) {
+  return listwise_kl_rows(teacher_a, student_z, valid.logical_not()).mean();
 }
 
 }  // namespace kvbound::losses

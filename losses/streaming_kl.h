@@ -6,10 +6,15 @@
 
 namespace kvbound::losses {
 
+// The listwise KL both ranking losses share (this one and losses/future_attention.h): over the last dim,
+//   p_T = a / Σ_valid a,  log p_S = log_softmax over valid entries of z,  KL = Σ p_T (log p_T − log p_S),
+// one value per row (terms with p_T = 0 contribute 0; a row with no mass gives 0). teacher_a ≥ 0 and
+// student_z broadcast against `invalid` (bool, true: left out); every counted row needs one valid entry.
+at::Tensor listwise_kl_rows(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& invalid);
+
 // teacher_a [B, Hkv, T] ≥ 0 (0 at invalid keys), student_z [B, Hk, T] (−inf at invalid keys; Hk = Hkv or 1,
-// broadcast over the KV heads), valid bool [T] with at least one true.
-//   p_T = a / Σ_valid a,  log p_S = log_softmax over valid keys of z,  KL = Σ_t p_T (log p_T − log p_S)
-// (terms with p_T = 0 contribute 0); the mean over batch and KV heads (a scalar, differentiable in z).
+// broadcast over the KV heads), valid bool [T] with at least one true: listwise_kl_rows' mean over batch and
+// KV heads (a scalar, differentiable in z).
 at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid);
 
 }  // namespace kvbound::losses

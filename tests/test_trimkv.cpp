@@ -1,12 +1,17 @@
 // TRIM-KV end to end: the loss terms and gate gradients equal a PyTorch implementation of DESIGN.md's
-// formulas (tests/golden/make_trimkv_golden.py), bias 18 or sinks everywhere make the student the teacher, the gates file
+// formulas (tests/golden/make_trimkv_golden.py), the hindsight ranking loss equals its formula by loops,
+// bias 18 or sinks everywhere make the student the teacher, the gates file
 // round-trips, the data rows and the schedule behave as documented, and the real CLI trains, resumes
 // bit-identically, exports, evaluates, and stops on NaN or a bad key.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/log_sigmoid.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/softmax.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -17,6 +22,7 @@
 #include "checkpoints/safetensors_io.h"
 #include "data/tokenizer.h"
 #include "losses/capacity.h"
+#include "losses/future_attention.h"
 #include "modules/backbone.h"
 #include "modules/retention_gate.h"
 #include "ops/retention_sum.h"
@@ -106,6 +112,58 @@ TEST(TrimKVLoss, SinkPositionsKeepBetaOneAndNoGradient) {
     EXPECT_LT(lb.narrow(2, sinks, T - sinks).max().item<double>(), -0.1);
   }
   EXPECT_GT((hidden - teacher).abs().max().item<double>(), 1e-2);
+}
+
+TEST(FutureAttentionLoss, EqualsTheFormulaByLoopsAndSkipsPaddedCuts) {
+  EXPECT_EQ(losses::future_cuts(10, 4), (std::vector<std::int64_t>{3, 7}));
+  EXPECT_EQ(losses::future_cuts(8, 4), (std::vector<std::int64_t>{3}));  // t = 7 has no later query
+  EXPECT_TRUE(losses::future_cuts(4, 8).empty());
+  at::manual_seed(6);
+  const std::int64_t B = 2, H = 2, T = 12, L = 3;
+  const std::vector<std::int64_t> cuts = losses::future_cuts(T, 3);  // 2, 5, 8
+  at::Tensor w = at::ones({B, T});
+  w[1].narrow(0, 7, T - 7).zero_();  // row 1 pads from 7 on: its cut at 8 is not counted, its queries >= 7 pay nothing
+  std::vector<at::Tensor> attention, mass, log_betas;
+  for (std::int64_t l = 0; l < L; ++l) {
+    const at::Tensor causal = at::ones({T, T}).tril().to(at::kBool);
+    attention.push_back(at::softmax(at::randn({B, H, T, T}).masked_fill(causal.logical_not(), -1e9), -1));
+    mass.push_back(losses::future_attention_mass(attention.back(), cuts, w));
+    log_betas.push_back(at::log_sigmoid(at::randn({B, H, T}) + 2.0).requires_grad_(true));
+  }
+  const at::Tensor loss = losses::future_attention_loss(log_betas, mass, cuts, w);
+  double want = 0, pairs = 0;
+  for (std::int64_t l = 0; l < L; ++l)
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::size_t c = 0; c < cuts.size(); ++c) {
+          const std::int64_t t = cuts[c];
+          std::vector<double> f(t + 1, 0.0), z(t + 1);
+          double f_sum = 0, z_max = -1e30, z_sum = 0;
+          for (std::int64_t i = 0; i <= t; ++i) {
+            for (std::int64_t q = t + 1; q < T; ++q) f[i] += w[b][q].item<double>() * attention[l][b][h][q][i].item<double>();
+            EXPECT_NEAR(mass[l][b][h][static_cast<std::int64_t>(c)][i].item<double>(), f[i], 1e-6);
+            f_sum += f[i];
+            z[i] = static_cast<double>(t - i) * log_betas[l][b][h][i].item<double>();
+            z_max = std::max(z_max, z[i]);
+          }
+          for (std::int64_t i = t + 1; i < T; ++i) EXPECT_EQ(mass[l][b][h][static_cast<std::int64_t>(c)][i].item<double>(), 0.0);
+          if (w[b][t].item<double>() == 0) continue;
+          for (std::int64_t i = 0; i <= t; ++i) z_sum += std::exp(z[i] - z_max);
+          for (std::int64_t i = 0; i <= t; ++i) {
+            const double p = f[i] / f_sum, log_q = z[i] - z_max - std::log(z_sum);
+            if (p > 0) want += p * (std::log(p) - log_q);
+          }
+          pairs += 1;
+        }
+  EXPECT_EQ(pairs, static_cast<double>(L * H * (2 * cuts.size() - 1)));
+  EXPECT_NEAR(loss.item<double>(), want / pairs, 1e-6);
+  loss.backward();
+  for (const at::Tensor& lb : log_betas) {
+    EXPECT_TRUE(at::isfinite(lb.grad()).all().item<bool>());
+    EXPECT_GT(lb.grad().abs().max().item<double>(), 0.0);
+    // Keys after the last counted cut of row 1 get no gradient from it: only its cuts at 2 and 5 count.
+    EXPECT_EQ(lb.grad()[1].narrow(1, 6, T - 6).abs().max().item<double>(), 0.0);
+  }
 }
 
 TEST(CapacityLoss, GlobalModeEqualsTheFormula) {
@@ -400,6 +458,28 @@ TEST_F(TrainCli, RejectsBadKeysExistingRunsAndMissingGates) {
   EXPECT_EQ(test::run_kvbound("eval --set eval.text=" + cli_.valid + " --set model.path=" + cli_.model +
                                   " --set eval.policies=[trimkv] --set eval.out_dir=" + (dir_ / "e"), &out, &err), 1);
   EXPECT_NE(err.find("trimkv.gates"), std::string::npos) << err;
+}
+
+TEST_F(TrainCli, HindsightRankingLossAndContinuingFromEarlierGates) {
+  // The ranking loss is logged as its own term; rows of 32 tokens, stride 8: cuts at 7, 15, 23.
+  train("--set run.out_dir=" + (dir_ / "base") + " --set trimkv.w_future=1 --set trimkv.future_stride=8");
+  const auto lines = train_lines(dir_ / "base/metrics.jsonl");
+  ASSERT_EQ(lines.size(), 4u);
+  for (const auto& line : lines) EXPECT_GT(line["future"].get<double>(), 0.0) << line.dump();
+  // Continuing from the run: one update at a negligible learning rate leaves its gates where they were.
+  train("--set run.out_dir=" + (dir_ / "continued") + " --set train.init_from=" + (dir_ / "base") +
+        " --set train.steps=1 --set train.lr=1e-12");
+  const auto base = read_safetensors(dir_ / "base/checkpoints/step_0000004.safetensors");
+  const auto continued = read_safetensors(dir_ / "continued/checkpoints/step_0000001.safetensors");
+  for (const auto& [name, t] : base.tensors) {
+    if (name.rfind("model.", 0) != 0) continue;  // the gates; not the optimizer state
+    EXPECT_LT((continued.tensors.at(name) - t).abs().max().item<double>(), 1e-9) << name;
+  }
+  std::string err = train("--set run.out_dir=" + (dir_ / "wide") + " --set train.init_from=" + (dir_ / "base") +
+                          " --set trimkv.gate_hidden=8", 1);
+  EXPECT_NE(err.find("trimkv.gate_hidden: 8 but the gates of train.init_from are 16 wide"), std::string::npos) << err;
+  err = train("--set run.out_dir=" + (dir_ / "bad") + " --set trimkv.future_stride=0", 1);
+  EXPECT_NE(err.find("trimkv.future_stride"), std::string::npos) << err;
 }
 
 TEST_F(TrainCli, NanStopsTheRunNamingTheStepAndTerm) {

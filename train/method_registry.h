@@ -48,7 +48,8 @@ struct MethodRegistration {
   const char* name;     // the value of train.method (and the "method" of its checkpoints and exports)
   const char* summary;  // one line for --help
   // The method that train.init_from must name (a run folder or an export of it); nullptr when the method
-  // starts from nothing, or (memory) when the config decides (memory.policy's own method, if learned).
+  // starts from nothing, or when the config decides: memory (memory.policy's own method, if learned), trimkv
+  // (earlier gates to continue from, if train.init_from is set).
   const char* starts_from;
   // The keys of `kvbound eval` that take this method's export, e.g. {"trimkv.gates"}.
   std::vector<std::string> weights_keys;

@@ -6,6 +6,8 @@
 
 #include "base/errors.h"
 #include "losses/distillation.h"
+#include "losses/future_attention.h"
+#include "modules/budgeted_cache.h"
 #include "train/method_registry.h"
 #include "train/trimkv_official_export.h"
 
@@ -18,17 +20,42 @@ TrainedModules live(const std::shared_ptr<RetentionGates>& gates) {
   return m;
 }
 
+// On the teacher's forward: each layer's attention paid after each cut point, the target of L_future. Reduced
+// layer by layer, so the T×T attention of one layer at a time exists.
+struct FutureAttentionHook final : AttentionHook {
+  std::vector<std::int64_t> cuts;
+  at::Tensor weights;
+  std::vector<at::Tensor> mass;  // per layer [B, Hkv, C, T]
+  void after_attention(AttentionCall& call, KVCache& cache) override {
+    mass.push_back(losses::future_attention_mass(chunk_attention_probs(call, cache).mean(2), cuts, weights));
+  }
+};
+
 }  // namespace
 
-TrimKVMethod::TrimKVMethod(const Backbone& model, const TrimKVSettings& settings, std::uint64_t seed)
+TrimKVMethod::TrimKVMethod(const Backbone& model, const TrimKVSettings& settings, std::uint64_t seed,
+                           const RetentionGates* start)
     : model_(model), settings_(settings),
       gates_(std::make_shared<RetentionGates>(RetentionGates::init(model.config(), settings.gate, seed))),
       policy_("trimkv", settings.policy_config, live(gates_)) {
   gates_->to(model.device());
+  if (start == nullptr) return;
+  if (start->hidden() != gates_->hidden())
+    fail("config", "trimkv.gate_hidden", std::to_string(gates_->hidden()) + " but the gates of train.init_from are " +
+                                             std::to_string(start->hidden()) + " wide");
+  const at::NoGradGuard no_grad;
+  const std::map<std::string, at::Tensor> from = start->named_tensors();
+  for (auto& [name, p] : gates_->named_tensors()) p.copy_(from.at(name));
 }
 
 StepLoss TrimKVMethod::loss(const Batch& batch) {
-  const at::Tensor teacher_hidden = model_.teacher_hidden(batch.inputs);
+  FutureAttentionHook future;
+  const bool with_future = settings_.w_future > 0;
+  if (with_future) {
+    future.cuts = losses::future_cuts(batch.inputs.size(1), settings_.future_stride);
+    future.weights = batch.weights;
+  }
+  const at::Tensor teacher_hidden = model_.teacher_hidden(batch.inputs, with_future ? &future : nullptr);
   GatedAttentionHook hook(*gates_, settings_.sinks);
   KVCache cache = model_.make_cache();
   const at::Tensor student_hidden = model_.forward_hidden(batch.inputs, cache, &hook);
@@ -38,6 +65,11 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
   StepLoss out;
   out.total = settings_.w_kl * d.kl + settings_.w_ntp * d.ce + settings_.lambda_cap * cap;
   out.terms = {{"kl", d.kl}, {"ce", d.ce}, {"cap", cap}};
+  if (with_future) {
+    const at::Tensor f = losses::future_attention_loss(hook.log_betas(), future.mass, future.cuts, batch.weights);
+    out.total = out.total + settings_.w_future * f;
+    out.terms.emplace_back("future", f);
+  }
   const at::NoGradGuard no_grad;
   out.stats["capacity"] = losses::expected_cache_size(hook.log_betas(), batch.weights);
   // Mean β per layer over real positions: how much each layer forgets.
@@ -80,6 +112,7 @@ std::map<std::string, std::string> TrimKVMethod::metadata() const {
 }
 
 namespace methods {
+extern const MethodRegistration trimkv;
 namespace {
 
 void load_gates(const SafetensorsFile& file, const std::string& path, const Backbone& model, TrainedModules& modules) {
@@ -100,14 +133,20 @@ std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
   t.w_kl = c.get_float("trimkv.w_kl");
   t.w_ntp = c.get_float("trimkv.w_ntp");
   t.lambda_cap = c.get_float("trimkv.lambda_cap");
-  for (const char* key : {"trimkv.w_kl", "trimkv.w_ntp", "trimkv.lambda_cap"})
+  t.w_future = c.get_float("trimkv.w_future");
+  t.future_stride = c.get_int("trimkv.future_stride");
+  if (t.future_stride < 1) fail("config", "trimkv.future_stride", "must be >= 1");
+  for (const char* key : {"trimkv.w_kl", "trimkv.w_ntp", "trimkv.lambda_cap", "trimkv.w_future"})
     if (!(c.get_float(key) >= 0)) fail("config", key, "must be >= 0");
   t.loss_block_rows = c.get_int("train.loss_block_rows");
   if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
   t.sinks = c.get_int("trimkv.sinks");  // the policy's key: training and deployment keep the same sinks
   if (t.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
   t.policy_config = c;
-  return std::make_unique<TrimKVMethod>(setup.model, t, setup.seed);
+  // Optional: continue from earlier gates (a run folder or an export), e.g. to fine-tune under another loss.
+  if (c.get_string("train.init_from").empty()) return std::make_unique<TrimKVMethod>(setup.model, t, setup.seed);
+  load_init_from(setup, trimkv);
+  return std::make_unique<TrimKVMethod>(setup.model, t, setup.seed, setup.init_modules.find<RetentionGates>().get());
 }
 
 }  // namespace
@@ -124,7 +163,10 @@ extern const MethodRegistration trimkv{
           .add("trimkv.capacity", ConfigType::String, "per_head", "capacity loss: per_head | global")
           .add("trimkv.w_kl", ConfigType::Float, "0.5", "weight of KL(teacher || student)")
           .add("trimkv.w_ntp", ConfigType::Float, "0.5", "weight of next-token cross-entropy")
-          .add("trimkv.lambda_cap", ConfigType::Float, "1.0", "weight of the capacity loss");
+          .add("trimkv.lambda_cap", ConfigType::Float, "1.0", "weight of the capacity loss")
+          .add("trimkv.w_future", ConfigType::Float, "0.0",
+               "weight of the hindsight ranking loss (retention vs the full model's later attention)")
+          .add("trimkv.future_stride", ConfigType::Int, "64", "cut points of that loss: every stride-th position");
     },
     [](ConfigSchema& s) {
       s.add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)");
