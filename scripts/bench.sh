@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Forward tokens/s of the C++ backbone vs transformers on the default model (T=512, same threads, both computing
 # in DTYPE: float32, or bfloat16 with kvbound's error against its own float32 on the same tokens), and peak RSS
-# after loading vs the fp32 weight bytes. Usage: scripts/bench.sh BUILD_DIR [THREADS] [DTYPE]
+# after loading vs the fp32 weight bytes; and the time of the model's matrix products alone, which bounds the ratio
+# any forward built on the same GEMM can reach. Usage: scripts/bench.sh BUILD_DIR [THREADS] [DTYPE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -17,6 +18,10 @@ import json, sys
 c, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 print(f"forward T={c['T']} threads={c['threads']} {h['dtype']}: kvbound {c['tok_s']:.0f} tok/s, transformers "
       f"{h['tok_s']:.0f} tok/s, ratio {c['tok_s'] / h['tok_s']:.2f}x")
+hf_s = c["T"] / h["tok_s"]
+print(f"the model's matrix products alone (at::linear, same shapes, dtype and threads): "
+      f"{c['matrix_products_alone_s']:.3f} s = {c['matrix_products_alone_s'] / c['best_s']:.0%} of kvbound's forward; "
+      f"a forward on this GEMM can be at most {hf_s / c['matrix_products_alone_s']:.2f}x transformers")
 if c["compared_to_float32"]:
     print(f"{c['dtype']} vs float32 (kvbound, same tokens): mean KL {c['kl_to_float32']:.3g}, top-1 agreement {c['top1_vs_float32']:.4f}")
 print(f"peak RSS after load: kvbound {c['peak_rss_after_load_bytes'] / 2**20:.0f} MiB = "
