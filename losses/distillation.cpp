@@ -1,10 +1,12 @@
 #include "losses/distillation.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -62,57 +64,72 @@ Rows flatten(const at::Tensor& student, const at::Tensor& teacher, const at::Ten
           at::where(weights.reshape({-1}).gt(0), targets.reshape({-1}), 0), w / w.sum()};
 }
 
-// Forms the logits h·Wᵀ of one block in `probs` (a view of the one [block_rows, V] buffer the loss
-// allocates) and replaces them in place by their softmax; returns each row's logsumexp. In place, because
-// any out-of-place step would allocate a second [block_rows, V] tensor.
-at::Tensor softmax_in_place(const at::Tensor& h, const at::Tensor& head, at::Tensor& probs) {
-  at::mm_out(probs, h, head.t());
-  const at::Tensor max = probs.amax(1, /*keepdim=*/true);
-  probs.sub_(max).exp_();
+// Replaces each row of `logits` ([n, V], a view of a buffer the loss allocated once) by its softmax, written into
+// `probs` (which may be `logits` itself: in place, because any out-of-place step would allocate another [n, V]
+// tensor); returns each row's logsumexp. Teacher and student rows go through this one function, so equal
+// logits give bitwise-equal probabilities and logsumexps (a KL of exactly 0 for a student equal to its teacher).
+at::Tensor softmax_rows(const at::Tensor& logits, at::Tensor& probs) {
+  const at::Tensor max = logits.amax(1, /*keepdim=*/true);
+  at::sub_out(probs, logits, max).exp_();
   const at::Tensor sum = probs.sum(1, /*keepdim=*/true);
   probs.div_(sum);
   return (max + sum.log()).squeeze(1);
 }
 
-// Both terms need only one [rows, V] tensor at a time because every product of a distribution with the
-// logits h·Wᵀ is taken through the head instead: Σ_v p[v]·(h·Wᵀ)[v] = (p·W)·h. With E_p = p·W ([rows, d]):
-//   KL(p_t ‖ p_s) = Σ_v p_t (z_t − z_s) − lse_t + lse_s = E_{p_t}·(h_t − h_s) − lse_t + lse_s
+// Σ_v a[r, v]·b[r, v] per row of two [n, V] blocks, without an [n, V] product tensor.
+at::Tensor row_dot(const at::Tensor& a, const at::Tensor& b) {
+  return at::bmm(a.unsqueeze(1), b.unsqueeze(2)).view({a.size(0)});
+}
+
+// Both terms need only two [rows, V] buffers at a time because every product of a distribution with the head
+// is taken through the head instead: Σ_v p[v]·W[v] = p·W ([rows, d]). Per block:
+//   KL(p_t ‖ p_s) = Σ_v p_t·z_t − Σ_v p_t·z_s − lse_t + lse_s     (z = h·Wᵀ; two row dots over the buffers)
 //   CE            = lse_s − W[target]·h_s
-//   ∂/∂h_s        = dlogits·W = (g_kl + g_ce)·E_{p_s} − g_kl·E_{p_t} − g_ce·W[target]   (times w / Σw)
-// The forward keeps E_{p_t} and E_{p_s} ([N, d] each, d/V of the logits' size), so the backward forms no
-// logits at all: four [rows, V] × [V, d] products per block in all, where recomputing both softmaxes in the
-// backward took seven. Without a gradient to come, E_{p_s} is not formed (three products).
+//   ∂/∂h_s        = g_kl·(p_s − p_t)·W + g_ce·(p_s·W − W[target])   (times w / Σw)
+// The forward keeps G = (p_s − p_t)·W and, when the ce term will be differentiated, E_s = p_s·W ([N, d] each,
+// d/V of the logits' size), so the backward forms no logits: per block two products for the logits and one
+// or two into the head, where recomputing both softmaxes in the backward took seven. Without a gradient to
+// come, only the logits are formed.
 class DistillationFunction : public torch::autograd::Function<DistillationFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& student,
                                                 const at::Tensor& teacher, const at::Tensor& head,
                                                 const at::Tensor& targets, const at::Tensor& weights,
-                                                int64_t block_rows, bool gradient_follows) {
+                                                int64_t block_rows, bool gradient_follows, bool ce_gradient) {
     const Rows in = flatten(student, teacher, head, targets, weights);
-    const int64_t N = in.student.size(0), d = in.head.size(1);
+    const int64_t N = in.student.size(0), d = in.head.size(1), V = in.head.size(0);
     const at::Tensor kl_rows = at::empty({N}, in.head.options()), ce_rows = at::empty({N}, in.head.options());
-    const at::Tensor expected_t = at::empty({N, d}, in.head.options());
-    const at::Tensor expected_s = gradient_follows ? at::empty({N, d}, in.head.options()) : at::Tensor();
-    const at::Tensor buffer = at::empty({std::min(block_rows, N), in.head.size(0)}, in.head.options());
+    const at::Tensor kl_grad = gradient_follows ? at::empty({N, d}, in.head.options()) : at::Tensor();
+    const at::Tensor expected_s = gradient_follows && ce_gradient ? at::empty({N, d}, in.head.options()) : at::Tensor();
+    const int64_t buffer_rows = std::min(block_rows, N);
+    const at::Tensor logits_buffer = at::empty({buffer_rows, V}, in.head.options());
+    const at::Tensor teacher_buffer = at::empty({buffer_rows, V}, in.head.options());
     for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
       const int64_t n = std::min(block_rows, N - r0);
-      at::Tensor probs = buffer.narrow(0, 0, n);
+      at::Tensor logits = logits_buffer.narrow(0, 0, n), p_t = teacher_buffer.narrow(0, 0, n);
       const at::Tensor s = in.student.narrow(0, r0, n).to(at::kFloat);
       const at::Tensor t = in.teacher.narrow(0, r0, n).to(at::kFloat);
-      const at::Tensor lse_t = softmax_in_place(t, in.head, probs);
-      at::Tensor e_t = expected_t.narrow(0, r0, n);
-      at::mm_out(e_t, probs, in.head);
-      const at::Tensor lse_s = softmax_in_place(s, in.head, probs);
-      if (gradient_follows) {
-        at::Tensor e_s = expected_s.narrow(0, r0, n);
-        at::mm_out(e_s, probs, in.head);
-      }
-      kl_rows.narrow(0, r0, n).copy_((e_t * (t - s)).sum(1) - lse_t + lse_s);
+      at::mm_out(logits, t, in.head.t());
+      const at::Tensor lse_t = softmax_rows(logits, p_t);
+      const at::Tensor teacher_mean_logit = row_dot(p_t, logits);  // Σ p_t·z_t
+      at::mm_out(logits, s, in.head.t());
+      const at::Tensor cross_mean_logit = row_dot(p_t, logits);  // Σ p_t·z_s
+      at::Tensor& p_s = logits;
+      const at::Tensor lse_s = softmax_rows(logits, p_s);
+      kl_rows.narrow(0, r0, n).copy_(teacher_mean_logit - cross_mean_logit - lse_t + lse_s);
       const at::Tensor target_rows = in.head.index_select(0, in.targets.narrow(0, r0, n));
       ce_rows.narrow(0, r0, n).copy_(lse_s - (target_rows * s).sum(1));
+      if (!gradient_follows) continue;
+      if (ce_gradient) {
+        at::Tensor e_s = expected_s.narrow(0, r0, n);
+        at::mm_out(e_s, p_s, in.head);
+      }
+      at::Tensor g = kl_grad.narrow(0, r0, n);
+      at::mm_out(g, p_s.sub_(p_t), in.head);
     }
     if (gradient_follows) {
-      ctx->save_for_backward({student, head, in.targets, in.coef, expected_t, expected_s});  // no logits
+      ctx->saved_data["ce_gradient"] = ce_gradient;
+      ctx->save_for_backward({student, head, in.targets, in.coef, kl_grad, expected_s});  // no logits
     }
     return {(kl_rows * in.coef).sum(), (ce_rows * in.coef).sum()};
   }
@@ -122,11 +139,17 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
     const auto saved = ctx->get_saved_variables();
     TORCH_INTERNAL_ASSERT(saved.size() == 6, "distillation_loss: a graph was recorded without the saved products");
     const at::Tensor &student = saved[0], &head = saved[1], &targets = saved[2], &coef = saved[3];
-    const at::Tensor &expected_t = saved[4], &expected_s = saved[5];
+    const at::Tensor &kl_grad = saved[4], &expected_s = saved[5];
     const at::Tensor g_kl = grad_outputs[0].to(at::kFloat), g_ce = grad_outputs[1].to(at::kFloat);
-    const at::Tensor target_rows = head.index_select(0, targets).to(at::kFloat);
-    const at::Tensor grad = ((g_kl + g_ce) * expected_s - g_kl * expected_t - g_ce * target_rows) * coef.unsqueeze(1);
-    return {grad.view(student.sizes()).to(student.scalar_type()), {}, {}, {}, {}, {}, {}};
+    at::Tensor grad = g_kl * kl_grad;
+    if (ctx->saved_data["ce_gradient"].toBool()) {
+      grad = grad + g_ce * (expected_s - head.index_select(0, targets).to(at::kFloat));
+    } else {
+      TORCH_CHECK(g_ce.eq(0).item<bool>(), "distillation_loss: the ce term was formed with DistillationGradients::"
+                  "kKlOnly (for logging); a loss that differentiates it needs kBoth");
+    }
+    grad = grad * coef.unsqueeze(1);
+    return {grad.view(student.sizes()).to(student.scalar_type()), {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -134,12 +157,12 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
 
 DistillationTerms distillation_loss(const at::Tensor& student_hidden, const at::Tensor& teacher_hidden,
                                     const at::Tensor& head, const at::Tensor& targets, const at::Tensor& weights,
-                                    int64_t block_rows) {
+                                    int64_t block_rows, DistillationGradients gradients) {
   check_inputs("distillation_loss", student_hidden, teacher_hidden, head, targets, weights);
   TORCH_CHECK(block_rows > 0, "distillation_loss: block_rows must be positive; got ", block_rows);
   const bool gradient_follows = at::GradMode::is_enabled() && student_hidden.requires_grad();
-  const auto out =
-      DistillationFunction::apply(student_hidden, teacher_hidden, head, targets, weights, block_rows, gradient_follows);
+  const auto out = DistillationFunction::apply(student_hidden, teacher_hidden, head, targets, weights, block_rows,
+                                               gradient_follows, gradients == DistillationGradients::kBoth);
   return {out[0], out[1]};
 }
 

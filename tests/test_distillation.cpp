@@ -1,6 +1,6 @@
 // TRIM-KV quality terms (losses/distillation.h): the blocked loss against the full-logits reference (values
-// and gradients, 0/1 masks and fractional weights, one block and many, bfloat16 hidden states), the
-// teacher == student fixed point, input errors, and the memory bound measured with a counting CPU allocator.
+// and gradients, 0/1 masks and fractional weights, one block and many, bfloat16 hidden states), the kl-only
+// mode, the teacher == student fixed point, input errors, and the memory bound measured with a counting CPU allocator.
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/rand.h>
@@ -107,6 +107,28 @@ TEST(Distillation, WeightedSumOfTermsBackpropagates) {
   EXPECT_EQ(grad.masked_select(in.weights.eq(0).unsqueeze(-1)).abs().max().item<float>(), 0.0f);
 }
 
+TEST(Distillation, KlOnlyGivesTheSameTermsAndRefusesACeGradient) {
+  // kKlOnly skips the ce gradient's product: the same kl, ce and kl gradient as kBoth, bit for bit (one code
+  // path forms them), and a loss that still differentiates ce fails instead of getting a wrong gradient.
+  at::manual_seed(6);
+  const LossInputs in = random_inputs(2, 37, 16, 50, true, at::kFloat);
+  const auto both = losses::distillation_loss(in.student, in.teacher, in.head, in.targets, in.weights, 8);
+  const at::Tensor grad_both = torch::autograd::grad({both.kl}, {in.student})[0];
+  const auto kl_only = losses::distillation_loss(in.student, in.teacher, in.head, in.targets, in.weights, 8,
+                                                 losses::DistillationGradients::kKlOnly);
+  EXPECT_TRUE(kl_only.kl.equal(both.kl));
+  EXPECT_TRUE(kl_only.ce.equal(both.ce));
+  // A weight of 0 on ce, as the trainer forms w_ntp·ce with w_ntp = 0, is allowed.
+  const at::Tensor grad_kl_only = torch::autograd::grad({kl_only.kl + 0.0 * kl_only.ce}, {in.student}, {}, true)[0];
+  EXPECT_TRUE(grad_kl_only.equal(grad_both));
+  try {
+    torch::autograd::grad({kl_only.kl + 0.5 * kl_only.ce}, {in.student});
+    ADD_FAILURE() << "a ce gradient through kKlOnly was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("needs kBoth"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Distillation, BFloat16HiddenStatesComputeInFloat) {
   at::manual_seed(3);
   const LossInputs in = random_inputs(2, 37, 16, 50, false, at::kBFloat16);
@@ -174,7 +196,8 @@ TEST(Distillation, NeverAllocatesVocabTimesPositions) {
   const int64_t B = 2, T = 512;
   const LossInputs in = random_inputs(B, T, d, V, false, at::kFloat);
   const test::CountCpuAllocations count;
-  const auto terms = losses::distillation_loss(in.student, in.teacher, in.head, in.targets, in.weights, 64);
+  const auto terms = losses::distillation_loss(in.student, in.teacher, in.head, in.targets, in.weights, 32);
   torch::autograd::grad({terms.kl + terms.ce}, {in.student});
-  EXPECT_LT(count.peak_bytes(), B * T * V * 4 / 8) << "peak " << count.peak_bytes() << " bytes";
+  // Two [32, V] float buffers are 1/8 of the logits; the [B·T, d] products are d/V of them.
+  EXPECT_LT(count.peak_bytes(), B * T * V * 4 / 8 + 4 * B * T * d * 4) << "peak " << count.peak_bytes() << " bytes";
 }

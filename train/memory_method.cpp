@@ -107,8 +107,9 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
       out.stats[stat] = 0;
       continue;
     }
-    const losses::DistillationTerms d = losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, model_.lm_head(),
-                                                                  batch.targets, w, settings_.loss_block_rows);
+    const losses::DistillationTerms d =
+        losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, model_.lm_head(), batch.targets, w,
+                                  settings_.loss_block_rows, losses::DistillationGradients::kKlOnly);
     out.stats[stat] = d.kl.item<double>();
     kl_sum = kl_sum.defined() ? kl_sum + d.kl : d.kl;
     ++budgets_used;

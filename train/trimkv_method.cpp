@@ -59,8 +59,10 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
   GatedAttentionHook hook(*gates_, settings_.sinks);
   KVCache cache = model_.make_cache();
   const at::Tensor student_hidden = model_.forward_hidden(batch.inputs, cache, &hook);
-  const losses::DistillationTerms d = losses::distillation_loss(student_hidden, teacher_hidden, model_.lm_head(),
-                                                                batch.targets, batch.weights, settings_.loss_block_rows);
+  // The ce term is always logged; its gradient (one more product into the head per block) only when it is used.
+  const losses::DistillationTerms d = losses::distillation_loss(
+      student_hidden, teacher_hidden, model_.lm_head(), batch.targets, batch.weights, settings_.loss_block_rows,
+      settings_.w_ntp != 0 ? losses::DistillationGradients::kBoth : losses::DistillationGradients::kKlOnly);
   const at::Tensor cap = losses::capacity_loss(hook.log_betas(), settings_.budget, settings_.capacity, batch.weights);
   StepLoss out;
   out.total = settings_.w_kl * d.kl + settings_.w_ntp * d.ce + settings_.lambda_cap * cap;
