@@ -144,7 +144,7 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
     at::Tensor grad = g_kl * kl_grad;
     if (ctx->saved_data["ce_gradient"].toBool()) {
       grad = grad + g_ce * (expected_s - head.index_select(0, targets).to(at::kFloat));
-    } else {
+    } else {  // one host sync per backward, the price of failing loudly instead of a silently wrong gradient
       TORCH_CHECK(g_ce.eq(0).item<bool>(), "distillation_loss: the ce term was formed with DistillationGradients::"
                   "kKlOnly (for logging); a loss that differentiates it needs kBoth");
     }

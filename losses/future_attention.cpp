@@ -31,7 +31,7 @@ std::vector<std::int64_t> future_cuts(std::int64_t T, std::int64_t stride) {
 at::Tensor future_attention_mass(const at::Tensor& attention, const std::vector<std::int64_t>& cuts,
                                  const at::Tensor& weights) {
   const std::int64_t B = attention.size(0), T = attention.size(2);
-  const at::Tensor weighted = attention.to(at::kFloat) * weights.to(attention.device()).view({B, 1, T, 1});
+  const at::Tensor weighted = attention.to(at::kFloat) * weights.to(attention.device()).reshape({B, 1, T, 1});
   // later[q0] = Σ_{q ≥ q0} w_q · A[q]: the row after a cut is everything its later queries paid each key.
   const at::Tensor later = weighted.flip(2).cumsum(2).flip(2);
   const at::Tensor cut_positions = cut_tensor(cuts, attention.device());
@@ -46,7 +46,13 @@ at::Tensor future_attention_loss(const std::vector<at::Tensor>& log_betas, const
   const at::Tensor invalid = after_cut(cut_positions, T);                            // [C, T]
   const at::Tensor age = (cut_positions.view({-1, 1}) - at::arange(T, cut_positions.options()).view({1, T}))
                              .clamp_min(0).to(at::kFloat);                          // [C, T]: t_c − i
-  const at::Tensor counted = (weights.to(lb0.device()).index_select(1, cut_positions) > 0).to(at::kFloat).view({B, 1, -1});
+  // A pair counts when its cut position is real and some later query carries weight: with none, F is all 0 and
+  // the pair would only dilute the mean.
+  const at::Tensor w = weights.to(lb0.device()).to(at::kFloat);
+  const at::Tensor later_weight = w.flip(1).cumsum(1).flip(1);  // Σ_{q ≥ q0} w_q
+  const at::Tensor counted = ((w.index_select(1, cut_positions) > 0) & (later_weight.index_select(1, cut_positions + 1) > 0))
+                                 .to(at::kFloat)
+                                 .view({B, 1, -1});
   at::Tensor total = at::zeros({}, lb0.options().dtype(at::kFloat));
   for (std::size_t l = 0; l < log_betas.size(); ++l) {
     const at::Tensor scores = log_betas[l].to(at::kFloat).unsqueeze(2) * age;      // [B, Hkv, C, T]

@@ -23,8 +23,8 @@ at::Tensor future_attention_mass(const at::Tensor& attention, const std::vector<
                                  const at::Tensor& weights);
 
 // log_betas: per layer [B, Hkv, T]; future_mass: per layer future_attention_mass at `cuts`; weights [B, T].
-// The mean of L_t over layers, KV heads and the (row, cut) pairs whose cut position has weight > 0 (a float32
-// scalar, differentiable in the log-betas; 0 when no pair counts).
+// The mean of L_t over layers, KV heads and the (row, cut) pairs whose cut position has weight > 0 and some
+// later query weight > 0 (a float32 scalar, differentiable in the log-betas; 0 when no pair counts).
 at::Tensor future_attention_loss(const std::vector<at::Tensor>& log_betas, const std::vector<at::Tensor>& future_mass,
                                  const std::vector<std::int64_t>& cuts, const at::Tensor& weights);
 

@@ -129,6 +129,30 @@ TEST(Distillation, KlOnlyGivesTheSameTermsAndRefusesACeGradient) {
   }
 }
 
+TEST(Distillation, LanguageModelScaleLogitsStayCloseToFloat64) {
+  // The KL is a difference of two vocabulary-wide dots (Σ p_t·z_t − Σ p_t·z_s) and of two logsumexps: with a
+  // real vocabulary and logits of std ~8 its float32 rounding must stay far below the KL values training sees
+  // (~1e-2). Measured: 7.6e-5 of the KL here; E_t·(h_t − h_s), the formula before, had rows as far off.
+  at::manual_seed(7);
+  const int64_t B = 2, T = 64, d = 64, V = 32000;
+  LossInputs in = random_inputs(B, T, d, V, false, at::kFloat);
+  in.head = in.head * 4.0;
+  in.student = (in.teacher + 0.05 * at::randn({B, T, d})).requires_grad_(true);
+  const auto terms = losses::distillation_loss(in.student, in.teacher, in.head, in.targets, in.weights);
+  const at::Tensor grad = torch::autograd::grad({terms.kl}, {in.student})[0];
+  const at::Tensor student64 = in.student.detach().to(at::kDouble).requires_grad_(true);
+  const at::Tensor head64 = in.head.to(at::kDouble).t();
+  const at::Tensor log_p_t = at::log_softmax(at::matmul(in.teacher.to(at::kDouble), head64), -1);
+  const at::Tensor log_p_s = at::log_softmax(at::matmul(student64, head64), -1);
+  const at::Tensor w = in.weights.to(at::kDouble);
+  const at::Tensor kl64 = (w * (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)).sum() / w.sum();
+  const at::Tensor grad64 = torch::autograd::grad({kl64}, {student64})[0];
+  EXPECT_GT(kl64.item<double>(), 1e-3);
+  EXPECT_LT(std::abs(terms.kl.item<double>() - kl64.item<double>()), 2e-4 * kl64.item<double>())
+      << terms.kl.item<double>() << " vs " << kl64.item<double>();
+  EXPECT_LE(max_abs_diff(grad, grad64), 1e-4 * grad64.abs().max().item<double>());
+}
+
 TEST(Distillation, BFloat16HiddenStatesComputeInFloat) {
   at::manual_seed(3);
   const LossInputs in = random_inputs(2, 37, 16, 50, false, at::kBFloat16);
@@ -198,6 +222,7 @@ TEST(Distillation, NeverAllocatesVocabTimesPositions) {
   const test::CountCpuAllocations count;
   const auto terms = losses::distillation_loss(in.student, in.teacher, in.head, in.targets, in.weights, 32);
   torch::autograd::grad({terms.kl + terms.ce}, {in.student});
-  // Two [32, V] float buffers are 1/8 of the logits; the [B·T, d] products are d/V of them.
-  EXPECT_LT(count.peak_bytes(), B * T * V * 4 / 8 + 4 * B * T * d * 4) << "peak " << count.peak_bytes() << " bytes";
+  // Two [32, V] float buffers (1/16 of the logits), not three; the [B·T, d] tensors are d/V of them.
+  EXPECT_LT(count.peak_bytes(), 5 * 32 * V * 4 / 2 + 4 * B * T * d * 4) << "peak " << count.peak_bytes() << " bytes";
+  EXPECT_GE(count.peak_bytes(), 2 * 32 * V * 4) << "peak " << count.peak_bytes() << " bytes";
 }
