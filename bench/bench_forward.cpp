@@ -1,23 +1,20 @@
 // Forward throughput of the C++ backbone: one prompt of T tokens through the full model (prefill),
 // repeated; prints tokens/s and the peak RSS right after loading, as one JSON line. Beside it, the time of the
-// model's matrix products alone (every projection and the LM head through at::linear, same shapes, dtype and
-// threads): the floor no forward built on this GEMM can go under, so a speed ratio against a peer on the same
-// GEMM is bounded by the peer's time over that floor.
+// model's matrix products alone (bench/matrix_products.h: every projection and the LM head): the floor no
+// forward on this GEMM can go under.
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <ATen/ops/log_softmax.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/randint.h>
-#include <ATen/ops/randn.h>
 
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <string>
-#include <vector>
 
 #include "base/process_heap.h"
+#include "bench/matrix_products.h"
 #include "cli/model_setup.h"
 #include "modules/backbone.h"
 #include "ops/cuda_module.h"
@@ -31,40 +28,6 @@ long peak_rss_bytes() {
   while (std::getline(in, line))
     if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6)) * 1024;
   return -1;
-}
-
-// Best of `repeats` timings of the forward's matrix products alone on T rows: per layer q, k, v, o, gate, up and
-// down (separate weights, as the backbone holds them), then the LM head; every layer its own random weights, so
-// the weights stream from memory as in the forward. Attention, norms, RoPE and activations are left out.
-double matrix_products_alone_seconds(const kvbound::ModelConfig& c, long T, at::ScalarType dtype, int repeats) {
-  const auto opts = at::TensorOptions().dtype(dtype);
-  const long d = c.hidden_size, q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
-  const long inter = c.intermediate_size;
-  struct LayerWeights { at::Tensor q, k, v, o, gate, up, down; };
-  std::vector<LayerWeights> layers;
-  for (long l = 0; l < c.num_layers; ++l)
-    layers.push_back({at::randn({q_out, d}, opts), at::randn({kv_out, d}, opts), at::randn({kv_out, d}, opts),
-                      at::randn({d, q_out}, opts), at::randn({inter, d}, opts), at::randn({inter, d}, opts),
-                      at::randn({d, inter}, opts)});
-  const at::Tensor lm_head = at::randn({c.vocab_size, d}, opts);
-  const at::Tensor x = at::randn({1, T, d}, opts), attended = at::randn({1, T, q_out}, opts);
-  const at::Tensor mlp_hidden = at::randn({1, T, inter}, opts);
-  const auto run_once = [&] {
-    for (const auto& w : layers) {
-      for (const at::Tensor* weight : {&w.q, &w.k, &w.v, &w.gate, &w.up}) at::linear(x, *weight);
-      at::linear(attended, w.o);
-      at::linear(mlp_hidden, w.down);
-    }
-    at::linear(x, lm_head);
-  };
-  run_once();
-  double best = 1e30;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    run_once();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
 }
 
 }  // namespace
@@ -111,7 +74,8 @@ int main(int argc, char** argv) {
     kl = (ref.exp() * (ref - low)).sum(-1).mean().item<double>();
     top1 = ref.argmax(-1).eq(low.argmax(-1)).to(at::kDouble).mean().item<double>();
   }
-  const double products_s = matrix_products_alone_seconds(model->config(), T, dtype, repeats);
+  const kvbound::bench::MatrixProducts products(model->config(), T, dtype);
+  const double products_s = products.layers_forward(repeats) + products.head_logits(repeats);
   std::printf(
       "{\"impl\": \"kvbound\", \"dtype\": \"%s\", \"compared_to_float32\": %s, \"kl_to_float32\": %.3g, "
       "\"top1_vs_float32\": %.4f, "

@@ -3,7 +3,9 @@
 // checkpoints — the method's loss on a batch (teacher forward, student forward with the method's modules, its
 // loss terms), backward, gradient clipping and AdamW on the trainable tensors — timed over STEPS updates after
 // two warm-up updates, the clock read after a device barrier on CUDA. Any train key can be set as in
-// `kvbound train` (e.g. trimkv.gate_hidden=512). Prints one JSON line.
+// `kvbound train` (e.g. trimkv.gate_hidden=512). For trimkv and indexmem it also times, alone, the matrix
+// products their update cannot avoid (bench/matrix_products.h): the floor under any update on the same GEMM.
+// Prints one JSON line.
 // Usage: bench_train_step MODEL METHOD SEQ_LEN BATCH [steps=5] [device=cpu] [dtype=float32] [key=value ...]
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/randint.h>
@@ -11,10 +13,12 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "base/process_heap.h"
+#include "bench/matrix_products.h"
 #include "base/config.h"
 #include "cli/command_schemas.h"
 #include "cli/model_setup.h"
@@ -23,6 +27,28 @@
 #include "ops/cuda_module.h"
 #include "train/method_registry.h"
 #include "train/optimizer.h"
+
+namespace {
+
+// The products of one update on `rows` positions that no implementation on the same GEMM can skip, in seconds.
+// trimkv: the teacher's and the student's forward through every layer, the student's backward to the inputs
+// of every layer (the backbone frozen: no weight gradients), the logits of both, and the distillation loss's
+// gradient through the head, (p_s − p_t)·W, plus p_s·W when the ce term is trained. indexmem (stage 1): the
+// teacher's forward through every layer (the indexer's own products are d_index wide, left out; no logits).
+std::optional<double> unavoidable_products_seconds(const std::string& method, const kvbound::Config& config,
+                                                   const kvbound::Backbone& model, std::int64_t rows,
+                                                   at::ScalarType dtype) {
+  if (method != "trimkv" && method != "indexmem") return std::nullopt;
+  if (!model.device().is_cpu()) return std::nullopt;  // timed without a device barrier: CPU only
+  const kvbound::bench::MatrixProducts products(model.config(), rows, dtype);
+  const int repeats = 3;
+  if (method == "indexmem") return products.layers_forward(repeats);
+  const int head_products = config.get_float("trimkv.w_ntp") != 0 ? 2 : 1;
+  return 2 * products.layers_forward(repeats) + products.layers_input_gradients(repeats) +
+         2 * products.head_logits(repeats) + head_products * products.head_expectation(repeats);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) try {
   kvbound::keep_freed_memory_in_process();  // as kvbound does (base/process_heap.h)
@@ -76,10 +102,13 @@ int main(int argc, char** argv) try {
   const auto t0 = now();
   for (int i = 0; i < steps; ++i) update();
   const double seconds = std::chrono::duration<double>(now() - t0).count() / steps;
+  const std::optional<double> floor =
+      unavoidable_products_seconds(method_name, config, *model, B * T, model->dtype());
+  const std::string floor_ms = floor ? std::to_string(*floor * 1e3) : "null";
   std::printf("{\"impl\": \"kvbound\", \"method\": \"%s\", \"T\": %ld, \"B\": %ld, \"device\": \"%s\", \"dtype\": \"%s\", "
-              "\"ms_per_update\": %.1f, \"tok_s\": %.1f, \"loss\": %.4f}\n",
+              "\"ms_per_update\": %.1f, \"tok_s\": %.1f, \"loss\": %.4f, \"unavoidable_products_ms\": %s}\n",
               method_name.c_str(), static_cast<long>(T), static_cast<long>(B), device.str().c_str(), dtype_name.c_str(),
-              seconds * 1e3, static_cast<double>(B * T) / seconds, loss);
+              seconds * 1e3, static_cast<double>(B * T) / seconds, loss, floor_ms.c_str());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "bench_train_step: " << e.what() << "\n";

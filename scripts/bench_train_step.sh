@@ -4,7 +4,8 @@
 # (bench/peers/trimkv_step_cpu.py, bench/peers/indexmem_step_cpu.py: the same formulas with transformers'
 # model), each in float32 and in bfloat16 compute (the trained modules and the losses float32 in both), same
 # threads, one after the other: JSON lines and the ratio at each dtype. Each prints its update's loss on the
-# same tokens, a check that both compute the same step.
+# same tokens, a check that both compute the same step. Beside them, the time of the matrix products each update
+# cannot avoid (bench_train_step's unavoidable_products_ms), which bounds the ratio any implementation can reach.
 # Usage: scripts/bench_train_step.sh BUILD_DIR [THREADS] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,10 @@ k, p = (json.loads(a) for a in sys.argv[1:])
 print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']} {p['dtype']}: kvbound "
       f"{k['ms_per_update']:.0f} ms (loss {k['loss']:.4f}), pytorch {p['ms_per_update']:.0f} ms "
       f"(loss {p['loss']:.4f}), ratio {p['ms_per_update'] / k['ms_per_update']:.2f}x")
+if k.get("unavoidable_products_ms") is not None:
+    print(f"  the update's unavoidable matrix products alone: {k['unavoidable_products_ms']:.0f} ms = "
+          f"{k['unavoidable_products_ms'] / k['ms_per_update']:.0%} of kvbound's update; an update on this GEMM can be "
+          f"at most {p['ms_per_update'] / k['unavoidable_products_ms']:.2f}x pytorch")
 PY
   done
 done

@@ -1,0 +1,84 @@
+// The matrix products a backbone pass cannot avoid, timed alone on random weights of the model's shapes (same
+// dtype and threads): the floor under any forward or training update built on the same GEMM, so a speed ratio
+// against a peer on that GEMM is bounded by the peer's time over the floor. Attention, norms, RoPE and
+// activations are left out; every layer has its own weights, so they stream from memory as in a real pass.
+#pragma once
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/randn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "checkpoints/model_config.h"
+
+namespace kvbound::bench {
+
+class MatrixProducts {
+ public:
+  MatrixProducts(const ModelConfig& c, std::int64_t rows, at::ScalarType dtype) {
+    const auto opts = at::TensorOptions().dtype(dtype);
+    const std::int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
+    const std::int64_t inter = c.intermediate_size;
+    for (std::int64_t l = 0; l < c.num_layers; ++l)
+      layers_.push_back({at::randn({q_out, d}, opts), at::randn({kv_out, d}, opts), at::randn({kv_out, d}, opts),
+                         at::randn({d, q_out}, opts), at::randn({inter, d}, opts), at::randn({inter, d}, opts),
+                         at::randn({d, inter}, opts)});
+    head_ = at::randn({c.vocab_size, d}, opts);
+    hidden_ = at::randn({rows, d}, opts);
+    attended_ = at::randn({rows, q_out}, opts);
+    mlp_hidden_ = at::randn({rows, inter}, opts);
+    q_grad_ = at::randn({rows, q_out}, opts);
+    kv_grad_ = at::randn({rows, kv_out}, opts);
+    probs_ = at::randn({rows, c.vocab_size}, opts);
+  }
+
+  // Best of `repeats` timings of each kind of work, in seconds.
+  // Every layer's q, k, v, o, gate, up and down projections (separate weights, as the backbone holds them).
+  double layers_forward(int repeats) const {
+    return best_of(repeats, [&] {
+      for (const auto& w : layers_) {
+        for (const at::Tensor* weight : {&w.q, &w.k, &w.v, &w.gate, &w.up}) at::linear(hidden_, *weight);
+        at::linear(attended_, w.o);
+        at::linear(mlp_hidden_, w.down);
+      }
+    });
+  }
+  // The input gradients of the same projections (dX = dY·W): what a backward to earlier layers forms when
+  // the backbone's weights are frozen.
+  double layers_input_gradients(int repeats) const {
+    return best_of(repeats, [&] {
+      for (const auto& w : layers_) {
+        at::mm(q_grad_, w.q);
+        for (const at::Tensor* weight : {&w.k, &w.v}) at::mm(kv_grad_, *weight);
+        for (const at::Tensor* weight : {&w.gate, &w.up}) at::mm(mlp_hidden_, *weight);
+        for (const at::Tensor* weight : {&w.o, &w.down}) at::mm(hidden_, *weight);
+      }
+    });
+  }
+  // Vocabulary logits h·Wᵀ of every row.
+  double head_logits(int repeats) const { return best_of(repeats, [&] { at::linear(hidden_, head_); }); }
+  // A distribution over the vocabulary taken back through the head, p·W (a distillation loss's gradient).
+  double head_expectation(int repeats) const { return best_of(repeats, [&] { at::mm(probs_, head_); }); }
+
+ private:
+  struct LayerWeights {
+    at::Tensor q, k, v, o, gate, up, down;
+  };
+  template <typename Work>
+  static double best_of(int repeats, Work work) {
+    work();
+    double best = 1e30;
+    for (int i = 0; i < repeats; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      work();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  }
+  std::vector<LayerWeights> layers_;
+  at::Tensor head_, hidden_, attended_, mlp_hidden_, q_grad_, kv_grad_, probs_;
+};
+
+}  // namespace kvbound::bench
