@@ -309,11 +309,13 @@ TEST(RetentionAttentionCuda, MatchesReference) {
   if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(10);
-  // bf16/fp16 with D = 64 or 128 run the tensor-core kernels (T = 1, one partial tile, several tiles with a
-  // partial last one, GQA groups 1–4); fp32 and D = 200 / 24 the SIMT kernels (D = 200: 8 dims per lane, a
-  // partial last lane group and more than 48 KiB of shared memory).
+  // bf16/fp16 with D = 64 or 128 run the tensor-core kernels (T = 1, one partial tile, exactly one and two
+  // full 64-row tiles, several tiles with a partial last one, GQA groups 1–4); fp32 and D = 200 / 24 the SIMT
+  // kernels (D = 200: 8 dims per lane, a partial last lane group and more than 48 KiB of shared memory).
   for (const Shape& s : std::vector<Shape>{{2, 4, 2, 1, 64},
                                            {2, 4, 2, 37, 64},
+                                           {1, 4, 2, 64, 64},
+                                           {1, 4, 4, 128, 128},
                                            {1, 8, 2, 333, 64},
                                            {1, 6, 2, 300, 128},
                                            {1, 2, 2, 129, 128},
