@@ -126,10 +126,12 @@ TrainedModules with_indexer() {
   return m;
 }
 
-Config indexmem_config(std::int64_t recent, const std::string& stat, bool pre_evict, std::int64_t horizon = 16) {
+Config indexmem_config(std::int64_t recent, const std::string& stat, bool pre_evict, std::int64_t horizon = 16,
+                       double attention_weight = 0) {
   return policy_config({"indexmem.recent=" + std::to_string(recent), "indexmem.stat=" + stat,
                         std::string("indexmem.pre_evict=") + (pre_evict ? "true" : "false"),
-                        "indexmem.horizon=" + std::to_string(horizon)});
+                        "indexmem.horizon=" + std::to_string(horizon),
+                        "indexmem.attention_weight=" + std::to_string(attention_weight)});
 }
 
 // Around the budgeted cache: a pre-evicting policy must have cut the older entries to `budget` (the
@@ -189,10 +191,13 @@ TEST(IndexMemPolicy, KeepsExactlyTheBudgetWithTheRecentWindowInEveryMode) {
   const at::Tensor full = run_engine("full", 1000, indexmem_config(0, "mean", true));
   for (const bool pre_evict : {true, false}) {
     for (const std::string stat : {"mean", "max"}) {
-      SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
-      const Config o = indexmem_config(8, stat, pre_evict);
-      EXPECT_GT((run_engine("indexmem", 12, o) - full).abs().max().item<double>(), 1e-3);
-      EXPECT_TRUE(at::equal(run_engine("indexmem", 60, o), full));
+      for (const double attention_weight : {0.0, 1.0}) {
+        SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat +
+                     " attention_weight " + std::to_string(attention_weight));
+        const Config o = indexmem_config(8, stat, pre_evict, 16, attention_weight);
+        EXPECT_GT((run_engine("indexmem", 12, o) - full).abs().max().item<double>(), 1e-3);
+        EXPECT_TRUE(at::equal(run_engine("indexmem", 60, o), full));
+      }
     }
   }
 }

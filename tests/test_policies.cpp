@@ -268,6 +268,27 @@ TEST(PolicyScores, TrimKVAttentionWeightAddsTheLogOfH2OsStatistic) {
   EXPECT_THROW(make_policy("trimkv", policy_config({"trimkv.attention_weight=-1"}), test::tiny_learned_modules()), kvbound::Error);
 }
 
+// indexmem.attention_weight α: the running indexer score plus α·log of h2o's mean received attention.
+TEST(PolicyScores, IndexMemAttentionWeightAddsTheLogOfH2OsStatistic) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  Capture unused;
+  // After attention (the test's hook forwards after_attention alone), every entry scored: no recent window.
+  const std::vector<std::string> plain = {"indexmem.pre_evict=false", "indexmem.recent=0"};
+  std::vector<std::string> weighted = plain;
+  weighted.push_back("indexmem.attention_weight=0.5");
+  const auto indexer = policy_scores("indexmem", &unused, policy_config(plain));
+  const auto attention = policy_scores("h2o", &unused, policy_config({"h2o.recent=0"}));
+  const auto both = policy_scores("indexmem", &unused, policy_config(weighted));
+  ASSERT_EQ(both.size(), indexer.size());
+  for (std::size_t l = 0; l < both.size(); ++l) {
+    const at::Tensor expected = indexer[l] + 0.5 * at::log(attention[l]);
+    EXPECT_LE((both[l] - expected).abs().max().item<double>(), 1e-5) << "layer " << l;
+    EXPECT_GT((both[l] - indexer[l]).abs().max().item<double>(), 0.01) << "layer " << l;
+  }
+  EXPECT_THROW(make_policy("indexmem", policy_config({"indexmem.attention_weight=-1"}), test::tiny_learned_modules()),
+               kvbound::Error);
+}
+
 // The oracle against the brute-force attention matrix, at a cut after the chunk of positions 16..20: `scored` is the
 // mean over the scored rows (the last 8) and the group's heads, `later` the sum over every query after position 20.
 TEST(PolicyScores, OracleRanksByTheFullModelsFutureAttention) {

@@ -10,6 +10,9 @@
 // attention, the cache is cut to M there, and attention runs over the kept set plus the chunk; the recent
 // window is then the `recent` tokens just before the chunk. With pre_evict off the policy behaves like h2o:
 // statistics after attention, cut after attention, recent window ending at the chunk's last token.
+//
+// indexmem.attention_weight α > 0 adds α·log of each entry's mean received attention (h2o's statistic, from
+// the chunks that have attended so far) to its running indexer score, as trimkv.attention_weight does.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full_like.h>
@@ -34,6 +37,7 @@ struct IndexMemPolicySettings {
   bool use_max = false;
   std::int64_t horizon = 16;
   bool pre_evict = true;
+  double attention_weight = 0;
 };
 
 IndexMemPolicySettings indexmem_policy_settings(const Config& c) {
@@ -46,6 +50,9 @@ IndexMemPolicySettings indexmem_policy_settings(const Config& c) {
   s.horizon = c.get_int("indexmem.horizon");
   if (s.horizon < 0) fail("config", "indexmem.horizon", "must be >= 0 (0: every query weighs the same)");
   s.pre_evict = c.get_bool("indexmem.pre_evict");
+  s.attention_weight = c.get_float("indexmem.attention_weight");
+  if (!(s.attention_weight >= 0) || !std::isfinite(s.attention_weight))
+    fail("config", "indexmem.attention_weight", "must be finite and >= 0");
   return s;
 }
 
@@ -53,9 +60,11 @@ class IndexMem final : public EvictionPolicy {
  public:
   IndexMem(std::shared_ptr<const Indexer> indexer, const IndexMemPolicySettings& s)
       : indexer_(std::move(indexer)), recent_(s.recent), use_max_(s.use_max),
-        decay_(s.horizon > 0 ? 1.0 - 1.0 / static_cast<double>(s.horizon) : 1.0), pre_evict_(s.pre_evict) {}
+        decay_(s.horizon > 0 ? 1.0 - 1.0 / static_cast<double>(s.horizon) : 1.0), pre_evict_(s.pre_evict),
+        attention_weight_(s.attention_weight) {}
 
   bool pre_evicts() const override { return pre_evict_; }
+  bool needs_attention() const override { return attention_weight_ > 0; }
 
   void observe_before(const PolicyView& v) override {
     const at::NoGradGuard no_grad;  // a trainer's live indexer has trainable leaves; scores are constants here
@@ -67,6 +76,7 @@ class IndexMem final : public EvictionPolicy {
     const AttentionCall& call = *v.call;
     const std::int64_t t = call.q.size(2), older = v.cache->size(v.layer) - t;
     if (!pre_evict_) update_cached(v, older);
+    if (needs_attention()) attention_.observe(v);
 
     // The chunk's own entries: scored by the chunk's queries at or after them.
     const std::int64_t hkv = v.cache->positions(v.layer).size(1);
@@ -93,7 +103,8 @@ class IndexMem final : public EvictionPolicy {
 
   at::Tensor score(const PolicyView& v) override {
     const at::Tensor& stat = stat_.get(v.layer);
-    const at::Tensor value = use_max_ ? stat : stat / seen_.get(v.layer).clamp_min(1);
+    at::Tensor value = use_max_ ? stat : stat / seen_.get(v.layer).clamp_min(1);
+    if (needs_attention()) value = add_attention_evidence(value, attention_, v.layer, attention_weight_);
     // Pre-eviction keeps the `recent` tokens just before the chunk; otherwise those ending at its last token.
     const std::int64_t newest = pre_evict_ ? v.call->start - 1 : v.call->start + v.call->q.size(2) - 1;
     return protect_recent(value, v.cache->positions(v.layer), newest, recent_);
@@ -102,6 +113,7 @@ class IndexMem final : public EvictionPolicy {
   void retained(std::int64_t layer, const at::Tensor& index) override {
     stat_.gather(layer, index);
     seen_.gather(layer, index);
+    if (needs_attention()) attention_.gather(layer, index);
     at::Tensor& keys = keys_.at(static_cast<std::size_t>(layer));
     keys = at::gather(keys, 2, index.unsqueeze(-1).expand({-1, -1, -1, keys.size(-1)}));
   }
@@ -150,6 +162,8 @@ class IndexMem final : public EvictionPolicy {
   bool use_max_;
   double decay_;  // a of the decayed mean (1: the plain mean)
   bool pre_evict_;
+  double attention_weight_;
+  MeanReceivedAttention attention_;  // indexmem.attention_weight > 0 only
   PerEntryState stat_, seen_;     // per layer [B, Hkv, N]: running weighted sum (or max) of I over the queries
                                   // that saw each entry, and the sum of their weights
   std::vector<at::Tensor> keys_;  // per layer [B, Hkv, N, dI]: each cached entry's indexer key
@@ -166,7 +180,10 @@ extern const PolicyRegistration indexmem{
           .add("indexmem.horizon", ConfigType::Int, "16",
                "indexmem policy, stat mean: decay older queries' scores by a = 1 - 1/H (0: every query weighs the same)")
           .add("indexmem.pre_evict", ConfigType::Bool, "true",
-               "indexmem policy: evict before a chunk's attention (false: after it, like h2o)");
+               "indexmem policy: evict before a chunk's attention (false: after it, like h2o)")
+          .add("indexmem.attention_weight", ConfigType::Float, "0",
+               "indexmem policy: add this times log(mean received attention), h2o's statistic, to the running score "
+               "(0: off)");
     },
     [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
       const IndexMemPolicySettings s = indexmem_policy_settings(c);

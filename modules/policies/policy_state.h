@@ -4,6 +4,7 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/gather.h>
+#include <ATen/ops/log.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -59,6 +60,14 @@ class MeanReceivedAttention {
  private:
   PerEntryState received_, seen_;
 };
+
+// score + α·log(mean received attention): a learned keep-score weighed with h2o's evidence of what the queries
+// so far attended (ranking by exp(score)·attention^α). The smallest normal float keeps log finite for an entry
+// no query attended (its mean is 0 only then).
+inline at::Tensor add_attention_evidence(const at::Tensor& score, const MeanReceivedAttention& attention,
+                                         std::int64_t layer, double alpha) {
+  return score + alpha * at::log(attention.mean(layer).clamp_min(std::numeric_limits<float>::min()));
+}
 
 // +inf for the `recent` newest positions (they are always kept), `score` elsewhere.
 inline at::Tensor protect_recent(const at::Tensor& score, const at::Tensor& positions, std::int64_t newest,

@@ -91,9 +91,7 @@ class TrimKV final : public EvictionPolicy {
     const at::Tensor age = now - v.cache->positions(v.layer).to(at::kFloat);
     const at::Tensor& log_beta = log_beta_.get(v.layer);
     at::Tensor score = options_.lookahead == 1 ? age * log_beta : lookahead_score(age, log_beta);
-    // The smallest normal float keeps log finite for an entry no query attended (its mean is 0 only then).
-    if (needs_attention())
-      score = score + options_.attention_weight * at::log(attention_.mean(v.layer).clamp_min(std::numeric_limits<float>::min()));
+    if (needs_attention()) score = add_attention_evidence(score, attention_, v.layer, options_.attention_weight);
     if (options_.sliding_window > 0) {
       const std::int64_t w = std::min(options_.sliding_window, score.size(-1));
       score.narrow(-1, score.size(-1) - w, w).fill_(std::numeric_limits<float>::infinity());
