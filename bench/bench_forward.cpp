@@ -7,13 +7,13 @@
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/randint.h>
 
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <string>
 
 #include "base/process_heap.h"
+#include "bench/best_time.h"
 #include "bench/matrix_products.h"
 #include "cli/model_setup.h"
 #include "modules/backbone.h"
@@ -51,17 +51,12 @@ int main(int argc, char** argv) {
   const long rss_after_load = peak_rss_bytes();
   at::manual_seed(0);
   const at::Tensor tokens = at::randint(3, model->config().vocab_size, {1, T}, at::TensorOptions().dtype(at::kLong));
-  {
-    kvbound::KVCache warm = model->make_cache();
-    model->forward(tokens, warm);
-  }
-  double best = 1e30;
-  for (int i = 0; i < repeats; ++i) {
-    kvbound::KVCache cache = model->make_cache();
-    const auto t0 = std::chrono::steady_clock::now();
-    model->forward(tokens, cache);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  const double best = kvbound::bench::best_seconds(
+      [&] {
+        kvbound::KVCache cache = model->make_cache();
+        model->forward(tokens, cache);
+      },
+      repeats);
   // A lower-precision dtype is only worth its speed with its error beside it: the same tokens through the
   // float32 model, mean KL(fp32 || dtype) of the next-token distributions and the top-1 agreement.
   double kl = 0.0, top1 = 1.0;

@@ -17,18 +17,20 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "base/process_heap.h"
+#include "bench/best_time.h"
 #include "ops/pooled_attention_importance.h"
 #include "ops/pooled_index_score.h"
 #include "tests/counting_allocator.h"
 
 namespace {
+
+using kvbound::bench::best_seconds;
 
 using kvbound::ops::PoolMode;
 constexpr int64_t kBatch = 1, kQueryHeads = 9, kKvHeads = 3, kHeadDim = 64, kIndexDim = 32;
@@ -69,17 +71,6 @@ void student(const Inputs& in, const Config& c, bool blocked) {
                            : kvbound::ops::pooled_index_score_reference(x[0], x[1], x[2], c.pool, c.window, 0, c.relu);
   const at::Tensor valid = kvbound::ops::pooled_valid_keys(z.size(-1), c.window, 0);
   torch::autograd::grad({(at::where(valid, z, 0.0) * in.weight).sum()}, x);
-}
-
-double best_seconds(const std::function<void()>& run, int repeats) {
-  run();  // warm-up: thread pool, allocator, BLAS buffers
-  double best = 1e30;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    run();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
 }
 
 int64_t peak_extra_bytes(const std::function<void()>& run) {

@@ -14,18 +14,20 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "base/process_heap.h"
+#include "bench/best_time.h"
 #include "ops/retention_attention.h"
 #include "tests/counting_allocator.h"
 #include "ops/retention_sum.h"
 
 namespace {
+
+using kvbound::bench::best_seconds;
 
 constexpr int64_t kBatch = 1, kQueryHeads = 9, kKvHeads = 3, kHeadDim = 64;
 
@@ -46,17 +48,6 @@ using AttentionOp = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 void forward_backward(const AttentionOp& op, const Inputs& in) {
   torch::autograd::grad({(op(in.tensors) * in.weight).sum()}, in.tensors);
-}
-
-double best_seconds(const std::function<void()>& run, int repeats) {
-  run();  // warm-up: thread pool, allocator, BLAS buffers
-  double best = 1e30;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    run();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
 }
 
 // Peak bytes alive while `run` executes, above the bytes alive before it.

@@ -7,10 +7,9 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/randn.h>
 
-#include <algorithm>
-#include <chrono>
 #include <vector>
 
+#include "bench/best_time.h"
 #include "checkpoints/model_config.h"
 
 namespace kvbound::bench {
@@ -37,46 +36,39 @@ class MatrixProducts {
   // Best of `repeats` timings of each kind of work, in seconds.
   // Every layer's q, k, v, o, gate, up and down projections (separate weights, as the backbone holds them).
   double layers_forward(int repeats) const {
-    return best_of(repeats, [&] {
-      for (const auto& w : layers_) {
-        for (const at::Tensor* weight : {&w.q, &w.k, &w.v, &w.gate, &w.up}) at::linear(hidden_, *weight);
-        at::linear(attended_, w.o);
-        at::linear(mlp_hidden_, w.down);
-      }
-    });
+    return best_seconds(
+        [&] {
+          for (const auto& w : layers_) {
+            for (const at::Tensor* weight : {&w.q, &w.k, &w.v, &w.gate, &w.up}) at::linear(hidden_, *weight);
+            at::linear(attended_, w.o);
+            at::linear(mlp_hidden_, w.down);
+          }
+        },
+        repeats);
   }
   // The input gradients of the same projections (dX = dY·W): what a backward to earlier layers forms when
   // the backbone's weights are frozen.
   double layers_input_gradients(int repeats) const {
-    return best_of(repeats, [&] {
-      for (const auto& w : layers_) {
-        at::mm(q_grad_, w.q);
-        for (const at::Tensor* weight : {&w.k, &w.v}) at::mm(kv_grad_, *weight);
-        for (const at::Tensor* weight : {&w.gate, &w.up}) at::mm(mlp_hidden_, *weight);
-        for (const at::Tensor* weight : {&w.o, &w.down}) at::mm(hidden_, *weight);
-      }
-    });
+    return best_seconds(
+        [&] {
+          for (const auto& w : layers_) {
+            at::mm(q_grad_, w.q);
+            for (const at::Tensor* weight : {&w.k, &w.v}) at::mm(kv_grad_, *weight);
+            for (const at::Tensor* weight : {&w.gate, &w.up}) at::mm(mlp_hidden_, *weight);
+            for (const at::Tensor* weight : {&w.o, &w.down}) at::mm(hidden_, *weight);
+          }
+        },
+        repeats);
   }
   // Vocabulary logits h·Wᵀ of every row.
-  double head_logits(int repeats) const { return best_of(repeats, [&] { at::linear(hidden_, head_); }); }
+  double head_logits(int repeats) const { return best_seconds([&] { at::linear(hidden_, head_); }, repeats); }
   // A distribution over the vocabulary taken back through the head, p·W (a distillation loss's gradient).
-  double head_expectation(int repeats) const { return best_of(repeats, [&] { at::mm(probs_, head_); }); }
+  double head_expectation(int repeats) const { return best_seconds([&] { at::mm(probs_, head_); }, repeats); }
 
  private:
   struct LayerWeights {
     at::Tensor q, k, v, o, gate, up, down;
   };
-  template <typename Work>
-  static double best_of(int repeats, Work work) {
-    work();
-    double best = 1e30;
-    for (int i = 0; i < repeats; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      work();
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-  }
   std::vector<LayerWeights> layers_;
   at::Tensor head_, hidden_, attended_, mlp_hidden_, q_grad_, kv_grad_, probs_;
 };
