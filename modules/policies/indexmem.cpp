@@ -50,9 +50,7 @@ IndexMemPolicySettings indexmem_policy_settings(const Config& c) {
   s.horizon = c.get_int("indexmem.horizon");
   if (s.horizon < 0) fail("config", "indexmem.horizon", "must be >= 0 (0: every query weighs the same)");
   s.pre_evict = c.get_bool("indexmem.pre_evict");
-  s.attention_weight = c.get_float("indexmem.attention_weight");
-  if (!(s.attention_weight >= 0) || !std::isfinite(s.attention_weight))
-    fail("config", "indexmem.attention_weight", "must be finite and >= 0");
+  s.attention_weight = read_attention_weight(c, "indexmem.attention_weight");
   return s;
 }
 

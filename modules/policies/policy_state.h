@@ -8,9 +8,13 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
+#include "base/config.h"
+#include "base/errors.h"
 #include "modules/eviction_policy.h"
 
 namespace kvbound::policies {
@@ -67,6 +71,13 @@ class MeanReceivedAttention {
 inline at::Tensor add_attention_evidence(const at::Tensor& score, const MeanReceivedAttention& attention,
                                          std::int64_t layer, double alpha) {
   return score + alpha * at::log(attention.mean(layer).clamp_min(std::numeric_limits<float>::min()));
+}
+
+// The α of add_attention_evidence from its config key (trimkv.attention_weight, indexmem.attention_weight).
+inline double read_attention_weight(const Config& c, const std::string& key) {
+  const double alpha = c.get_float(key);
+  if (!(alpha >= 0) || !std::isfinite(alpha)) fail("config", key, "must be finite and >= 0");
+  return alpha;
 }
 
 // +inf for the `recent` newest positions (they are always kept), `score` elsewhere.

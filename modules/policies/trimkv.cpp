@@ -56,9 +56,7 @@ TrimKVOptions trimkv_options(const Config& c) {
   if (o.sliding_window < 0) fail("config", "trimkv.sliding_window", "must be >= 0");
   o.sinks = c.get_int("trimkv.sinks");
   if (o.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
-  o.attention_weight = c.get_float("trimkv.attention_weight");
-  if (!(o.attention_weight >= 0) || !std::isfinite(o.attention_weight))
-    fail("config", "trimkv.attention_weight", "must be finite and >= 0");
+  o.attention_weight = read_attention_weight(c, "trimkv.attention_weight");
   return o;
 }
 
