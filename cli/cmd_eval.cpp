@@ -8,6 +8,7 @@
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <iostream>
+#include <set>
 
 #include "base/build_options.h"
 #include "base/atomic_file.h"
@@ -95,7 +96,11 @@ int cmd_eval(int argc, char** argv) {
   TrainedModules modules;
   std::map<std::string, std::string> weights_meta;
   for (const MethodRegistration* m : method_registry()) m->load_for_eval(config, *model, modules, weights_meta);
-  for (const std::string& name : config.get_string_list("eval.policies")) settings.policies.emplace_back(name, config, modules);
+  std::set<std::string> listed;  // one row per policy and budget: a repeat would fail only after the whole run
+  for (const std::string& name : config.get_string_list("eval.policies")) {
+    if (!listed.insert(name).second) fail("config", "eval.policies", "'" + name + "' is listed twice");
+    settings.policies.emplace_back(name, config, modules);
+  }
 
   const c10::InferenceMode no_autograd;  // evaluation never needs gradients: skip autograd bookkeeping
   const std::string out_dir = config.get_string("eval.out_dir");

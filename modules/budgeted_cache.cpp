@@ -5,7 +5,6 @@
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/sort.h>
-#include <ATen/ops/topk.h>
 
 #include <algorithm>
 #include <cmath>
@@ -109,8 +108,12 @@ void BudgetedCache::cut(const PolicyView& view, KVCache& cache) {
   const at::Tensor keep = without_grad([&] {
     const at::Tensor scores = policy_.score(view);
     TORCH_CHECK(scores.sizes() == cache.positions(layer).sizes(), "eviction policy returned scores of the wrong shape");
-    // Top-`budget` per (batch, KV head), kept in position order.
-    return std::get<0>(at::sort(std::get<1>(at::topk(scores, budget, -1)), -1));
+    // Top-`budget` per (batch, KV head), kept in position order. Ties go to the later entry (entries are in
+    // position order): at::topk breaks ties differently on CPU and CUDA (and snapkv scores its whole window
+    // +inf, so with M below the window every choice is a tie); a stable ascending sort's tail is one rule
+    // on every device, and the recent entry is the one a heuristic's tie says least about.
+    const at::Tensor ascending = std::get<1>(at::sort(scores, /*stable=*/true, -1, /*descending=*/false));
+    return std::get<0>(at::sort(ascending.narrow(-1, scores.size(-1) - budget, budget), -1));
   });
   // The entries themselves keep their gradient: the memory write and the cut are differentiable in the values.
   if (on_evict_) on_evict_(layer, keep, cache);

@@ -1,7 +1,9 @@
 // CUDA kernels of kvbound::retention_sum (ops/retention_sum.h). One thread per output position: the
 // forward thread for query t sums β_i^(t−i) over i ≤ t, the backward thread for source i sums
 // grad_S[t]·(t−i)·β_i^(t−i) over t ≥ i; the other side streams through a shared-memory tile of kThreads
-// positions. fp32 accumulation whatever the input dtype; memory O(numel).
+// positions. fp32 accumulation whatever the input dtype, compensated (Kahan): a thread adds up to T terms in
+// order, whose plain rounding error grows with T past the pairwise sum the reference formula gets from ATen;
+// memory O(numel).
 #include <ATen/Dispatch_v2.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -15,6 +17,16 @@ namespace {
 constexpr int kThreads = 256;         // positions per block, and the length of the shared tile
 constexpr int64_t kMaxTiles = 65535;  // gridDim.y limit
 
+// Kahan summation. The _rn intrinsics are never contracted into an FMA, which would lose the compensation.
+struct CompensatedSum {
+  float sum = 0.f, carry = 0.f;
+  __device__ void add(float x) {
+    const float y = __fsub_rn(x, carry), t = __fadd_rn(sum, y);
+    carry = __fsub_rn(__fsub_rn(t, sum), y);
+    sum = t;
+  }
+};
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     retention_sum_fwd_kernel(const scalar_t* __restrict__ log_beta, scalar_t* __restrict__ sums, int64_t T) {
@@ -22,7 +34,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = blockIdx.x, t0 = static_cast<int64_t>(blockIdx.y) * kThreads, t = t0 + threadIdx.x;
   const scalar_t* beta = log_beta + row * T;
   const int64_t last = min(t0 + kThreads, T) - 1;  // the block's last query: later sources are all masked
-  float sum = 0.f;
+  CompensatedSum sum;
   for (int64_t s0 = 0; s0 <= last; s0 += kThreads) {
     __syncthreads();
     const int64_t i = s0 + threadIdx.x;
@@ -30,10 +42,10 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (t < T) {
       const int64_t visible = min(static_cast<int64_t>(kThreads), t - s0 + 1);
-      for (int c = 0; c < visible; ++c) sum += expf(static_cast<float>(t - s0 - c) * beta_tile[c]);
+      for (int c = 0; c < visible; ++c) sum.add(expf(static_cast<float>(t - s0 - c) * beta_tile[c]));
     }
   }
-  if (t < T) sums[row * T + t] = static_cast<scalar_t>(sum);
+  if (t < T) sums[row * T + t] = static_cast<scalar_t>(sum.sum);
 }
 
 template <typename scalar_t>
@@ -43,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float grad_tile[kThreads];
   const int64_t row = blockIdx.x, s0 = static_cast<int64_t>(blockIdx.y) * kThreads, i = s0 + threadIdx.x;
   const float beta_i = i < T ? static_cast<float>(log_beta[row * T + i]) : 0.f;
-  float acc = 0.f;
+  CompensatedSum acc;
   // Queries before the block's first source see none of its sources.
   for (int64_t t0 = s0; t0 < T; t0 += kThreads) {
     __syncthreads();
@@ -54,11 +66,11 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t count = min(static_cast<int64_t>(kThreads), T - t0);
       for (int64_t r = max(static_cast<int64_t>(0), i - t0); r < count; ++r) {
         const float age = static_cast<float>(t0 + r - i);
-        acc += grad_tile[r] * age * expf(age * beta_i);
+        acc.add(grad_tile[r] * age * expf(age * beta_i));
       }
     }
   }
-  if (i < T) grad_log_beta[row * T + i] = static_cast<scalar_t>(acc);
+  if (i < T) grad_log_beta[row * T + i] = static_cast<scalar_t>(acc.sum);
 }
 
 void check_cuda_input(const at::Tensor& log_beta) {

@@ -12,8 +12,10 @@
 #   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", carry=[".whl"], timeout_s=570)
 #   (.whl/ from scripts/gpu_wheels.sh: the official TRIM-KV package for the training peer)
 # OUT_DIR receives gpu_check.log (everything), device_tests.xml, ops.jsonl (kernel and naive), ops_flex.jsonl
-# (FlexAttention), decode.jsonl, train.jsonl and summary.md. Budget: ~3 min to build on 16 cores, ~2 min of
-# tests, ~4 min of benchmarks.
+# (FlexAttention), decode.jsonl, train.jsonl and summary.md. The whole check keeps inside GPU_CHECK_SECONDS
+# (default 540, under the device call's 570 s): each stage after the build runs under `timeout` with its own cap,
+# cut to what is left, so a slow stage costs its own numbers and not the later stages' or the summary (a stage
+# that timed out or was skipped is named in the log and makes the exit status 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [T ...]}
@@ -27,6 +29,21 @@ python=${PYTHON:-python3}
 start=$(date +%s)
 stage() { echo "[gpu_check +$(($(date +%s) - start))s] $*"; }
 status=0
+deadline=$((start + ${GPU_CHECK_SECONDS:-540} - 25))  # 25 s kept for the summary
+# bounded CAP COMMAND...: runs COMMAND under a timeout of CAP seconds or what is left before the deadline.
+bounded() {
+  local cap=$1 left=$((deadline - $(date +%s)))
+  shift
+  [ "$left" -lt "$cap" ] && cap=$left
+  if [ "$cap" -lt 10 ]; then
+    echo "gpu_check: skipped for lack of time: $*"
+    return 1
+  fi
+  timeout "$cap" "$@"
+  local rc=$?
+  [ $rc = 124 ] && echo "gpu_check: stopped after ${cap}s: $*"
+  return $rc
+}
 
 stage "machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
 torch_prefix=$("$python" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path)') || {
@@ -38,12 +55,15 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="
   -DKVBOUND_PYTHON="$(command -v "$python")" >"$build/configure.log" 2>&1 || {
   tail -40 "$build/configure.log"; echo "gpu_check: configure failed"; exit 1; }
 stage "build"
-cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops bench_decode bench_train_step >"$build/build.log" 2>&1 || {
-  grep -m 8 -A 12 -E "error|Error" "$build/build.log"; echo "gpu_check: build failed"; exit 1; }
+# -k 0: one failed build shows every broken file, not the first (the whole log is copied to OUT_DIR).
+cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench_cuda_ops bench_decode bench_train_step \
+  -- -k 0 >"$build/build.log" 2>&1 || {
+  cp "$build/build.log" "$out/build.log"; grep -E "error:|FAILED:" "$build/build.log" | head -40
+  echo "gpu_check: build failed"; exit 1; }
 
 stage "CUDA tests (kvbound_device_tests)"
 # --gtest_brief: only failures are printed (their messages name the op, dtype, device and both values).
-"$build"/tests/kvbound_device_tests --gtest_brief=1 --gtest_output="xml:$out/device_tests.xml"
+bounded 200 "$build"/tests/kvbound_device_tests --gtest_brief=1 --gtest_output="xml:$out/device_tests.xml"
 tests_failed=$(grep -o 'failures="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
 tests_skipped=$(grep -c 'result="skipped"' "$out/device_tests.xml" 2>/dev/null)
 tests_total=$(grep -o 'tests="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
@@ -51,28 +71,28 @@ tests_total=$(grep -o 'tests="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | hea
 [ "${tests_failed:-1}" = 0 ] && [ "${tests_skipped:-1}" = 0 ] || status=1
 
 stage "ops benchmark: kernels and the naive formula (T = ${lengths[*]})"
-"$build"/bench/bench_cuda_ops "${lengths[@]}" | tee "$out/ops.jsonl" || status=1
+bounded 100 "$build"/bench/bench_cuda_ops "${lengths[@]}" | tee "$out/ops.jsonl" || status=1
 stage "ops benchmark: FlexAttention peer"
-PYTHONUNBUFFERED=1 "$python" bench/peers/flex_retention_attention.py "${lengths[@]}" | tee "$out/ops_flex.jsonl" ||
+PYTHONUNBUFFERED=1 bounded 90 "$python" bench/peers/flex_retention_attention.py "${lengths[@]}" | tee "$out/ops_flex.jsonl" ||
   status=1
 
 stage "decode: random Llama-3.2-1B shapes, context 32768, batch 4, bf16: full vs trimkv and h2o at M = 1024"
 model_dir=${TMPDIR:-/tmp}/kvbound_random_llama1b
-"$python" bench/peers/make_random_llama.py "$model_dir" || status=1
+bounded 60 "$python" bench/peers/make_random_llama.py "$model_dir" || status=1
 : >"$out/decode.jsonl"
 for run in "full 1" "trimkv 1024" "h2o 1024"; do
   set -- $run
-  "$build"/bench/bench_decode "$model_dir" 32768 "$1" "$2" 8 64 1024 cuda 4 bfloat16 | tee -a "$out/decode.jsonl" ||
+  bounded 60 "$build"/bench/bench_decode "$model_dir" 32768 "$1" "$2" 8 64 1024 cuda 4 bfloat16 | tee -a "$out/decode.jsonl" ||
     status=1
 done
 
 stage "training: one TRIM-KV update at T = 8192, B 1, bf16 (gate width 512, M_train 512), and IndexMem stage 1"
-"$build"/bench/bench_train_step "$model_dir" trimkv 8192 1 4 cuda bfloat16 trimkv.gate_hidden=512 trimkv.budget=512 |
+bounded 60 "$build"/bench/bench_train_step "$model_dir" trimkv 8192 1 4 cuda bfloat16 trimkv.gate_hidden=512 trimkv.budget=512 |
   tee "$out/train.jsonl" || status=1
-"$build"/bench/bench_train_step "$model_dir" indexmem 8192 1 4 cuda bfloat16 | tee -a "$out/train.jsonl" || status=1
+bounded 60 "$build"/bench/bench_train_step "$model_dir" indexmem 8192 1 4 cuda bfloat16 | tee -a "$out/train.jsonl" || status=1
 if ls .whl/trimkv-*.whl >/dev/null 2>&1; then  # the official package's update (scripts/gpu_wheels.sh, carried)
   "$python" -m pip install -q --no-index --no-deps --no-compile --target "${TMPDIR:-/tmp}/kvbound_peer_site" .whl/*.whl &&
-    PYTHONPATH="${TMPDIR:-/tmp}/kvbound_peer_site" PYTHONUNBUFFERED=1 "$python" bench/peers/official_trimkv_step.py 8192 |
+    PYTHONPATH="${TMPDIR:-/tmp}/kvbound_peer_site" PYTHONUNBUFFERED=1 bounded 90 "$python" bench/peers/official_trimkv_step.py 8192 |
     tee -a "$out/train.jsonl" || status=1
 else
   echo "gpu_check: no .whl/ carried: the official TRIM-KV peer cannot run (scripts/gpu_wheels.sh, then carry .whl)"

@@ -1,7 +1,8 @@
 // The CUDA path against the CPU path, through the real CLI on stories260K, in float32 and bfloat16: for every
 // registered method, a few training updates on `--device cuda` log the CPU run's losses; `kvbound eval` of every
 // policy (the heuristics, every method's serving policy with its trained weights, and "+mem") on the GPU gives the
-// CPU's KL, top-1 agreement and NLL; greedy `kvbound generate` writes the CPU's text in float32. Runs where the
+// CPU's KL, top-1 agreement and NLL in float32, and in bfloat16 lands as near the float32 run as the CPU's bfloat16
+// run does; greedy `kvbound generate` writes the CPU's text in float32. Runs where the
 // CUDA module loads and a CUDA device exists (scripts/gpu_check.sh on the GPU machine); skipped elsewhere.
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
@@ -26,8 +27,21 @@ namespace {
 using test::kTinySections;
 
 // Relative tolerance between the devices: float32 differs only in the order of reductions (cuBLAS, SDPA, the
-// kernels); bfloat16 rounds every activation, so an eviction decision on a near tie may flip.
+// kernels); bfloat16 rounds every activation. Training losses are held to it in both dtypes.
 double tolerance(const std::string& dtype) { return dtype == "float32" ? 2e-4 : 5e-2; }
+
+// bfloat16 evaluation is held to the float32 truth instead (FlashAttention's habit): one rounding flips an
+// eviction decision on a near tie, which moves a 32-token window's metrics by more than any relative band,
+// and by as much on either device. The CUDA run's distance to the float32 run may be twice the CPU bfloat16
+// run's, plus a floor: 1e-3 + 2% for KL and NLL (bfloat16 keeps 3 significant digits; the full cache's KL to
+// itself is 3e-4 on the CPU), and two of the 32 scored tokens for top-1 agreement, a count.
+void expect_as_close_to_float32(double cpu, double gpu, double float32, const std::string& metric,
+                                const std::string& what) {
+  ASSERT_TRUE(std::isfinite(gpu)) << what << ": " << gpu;
+  const double floor = metric == "top1_agree" ? 2.0 / 32 : 1e-3 + 0.02 * std::abs(float32);
+  EXPECT_LE(std::abs(gpu - float32), 2 * std::abs(cpu - float32) + floor)
+      << what << ": float32 " << float32 << ", cpu " << cpu << ", cuda " << gpu;
+}
 
 void expect_close(double cpu, double gpu, double rel, const std::string& what) {
   ASSERT_TRUE(std::isfinite(gpu)) << what << ": " << gpu;
@@ -61,7 +75,8 @@ TEST_P(DeviceParity, EveryMethodTrainsAndEveryPolicyEvaluatesAsOnTheCpu) {
   // (policies, --set arguments) of each eval: one per method (its serving policy with the CPU-trained export),
   // and one of every policy no method serves (the heuristics).
   std::vector<std::pair<std::string, std::string>> evals;
-  std::set<std::string> heuristics(policy_names().begin(), policy_names().end());
+  const std::vector<std::string> all_policies = policy_names();  // by value: begin and end of one copy
+  std::set<std::string> heuristics(all_policies.begin(), all_policies.end());
   ConfigSchema schema;
   declare_method_train_keys(schema);
   declare_policy_keys(schema);
@@ -71,11 +86,11 @@ TEST_P(DeviceParity, EveryMethodTrainsAndEveryPolicyEvaluatesAsOnTheCpu) {
     std::string init_from;
     if (method.starts_from) init_from = "  init_from: " + (dir / (std::string(method.starts_from) + "_cpu")) + "\n";
     std::ofstream(dir / (name + ".yaml")) << test::tiny_train_yaml(
-        cli, "  method: " + name + "\n  steps: 4\n" + init_from, std::string(kTinySections) + "model:\n  dtype: " + dtype + "\n");
+        cli, "  method: " + name + "\n  steps: 4\n" + init_from, kTinySections);
     std::map<std::string, std::vector<double>> losses;
     for (const std::string device : {"cpu", "cuda"}) {
       const std::string run = dir / (name + "_" + device);
-      ASSERT_EQ(test::run_kvbound("train " + (dir / (name + ".yaml")) + " --set run.out_dir=" + run +
+      ASSERT_EQ(test::run_kvbound("train " + (dir / (name + ".yaml")) + " --set run.out_dir=" + run + " --set model.dtype=" + dtype +
                                       " --set model.device=" + device,
                                   &out, &err),
                 0)
@@ -96,32 +111,38 @@ TEST_P(DeviceParity, EveryMethodTrainsAndEveryPolicyEvaluatesAsOnTheCpu) {
     for (const std::string& key : method.weights_keys) sets += " --set " + key + "=" + exported;
     evals.emplace_back(policy, sets);
   }
-  std::string heuristic_list = "full";
-  for (const std::string& p : heuristics) heuristic_list += "," + p;
+  std::string heuristic_list;  // "full" is a registered policy too: the reference row of every eval
+  for (const std::string& p : heuristics) heuristic_list += (heuristic_list.empty() ? "" : ",") + p;
   evals.emplace_back(heuristic_list, "");
 
   for (std::size_t e = 0; e < evals.size(); ++e) {
     const auto& [policies, sets] = evals[e];
-    std::map<std::string, std::map<std::string, std::map<std::string, double>>> rows;
-    for (const std::string device : {"cpu", "cuda"}) {
-      const std::string out_dir = dir / ("eval" + std::to_string(e) + "_" + device);
+    std::map<std::string, std::map<std::string, std::map<std::string, double>>> rows;  // run -> row -> metric
+    std::vector<std::pair<std::string, std::string>> runs = {{"cpu", dtype}, {"cuda", dtype}};
+    if (dtype != "float32") runs.emplace_back("cpu", "float32");
+    for (const auto& [device, run_dtype] : runs) {
+      const std::string out_dir = dir / ("eval" + std::to_string(e) + "_" + device + "_" + run_dtype);
       std::set<std::string> seen;
       ASSERT_EQ(test::tiny_eval(cli, out_dir,
-                                "--set eval.policies=[" + policies + "] --set model.dtype=" + dtype +
+                                "--set eval.policies=[" + policies + "] --set model.dtype=" + run_dtype +
                                     " --set model.device=" + device + sets,
                                 &seen, &err),
                 0)
-          << policies << " on " << device << ": " << err;
-      rows[device] = quality_rows(out_dir + "/results.json");
+          << policies << " on " << device << " in " << run_dtype << ": " << err;
+      rows[run_dtype == dtype ? device : "float32"] = quality_rows(out_dir + "/results.json");
     }
     ASSERT_EQ(rows["cpu"].size(), rows["cuda"].size()) << policies;
     for (const auto& [row, metrics] : rows["cpu"])
       for (const auto& [metric, value] : metrics) {
         ASSERT_TRUE(rows["cuda"].count(row) && rows["cuda"][row].count(metric)) << row << " " << metric;
+        const double gpu = rows["cuda"][row][metric];
+        const std::string what = row + " " + metric + " (" + dtype + ")";
         if (std::string(metric) == "peak_kv_bytes")  // the same entries in the same dtype
-          EXPECT_EQ(value, rows["cuda"][row][metric]) << row;
+          EXPECT_EQ(value, gpu) << row;
+        else if (dtype == "float32")
+          expect_close(value, gpu, rel, what);
         else
-          expect_close(value, rows["cuda"][row][metric], rel, row + " " + metric + " (" + dtype + ")");
+          expect_as_close_to_float32(value, gpu, rows["float32"].at(row).at(metric), metric, what);
       }
   }
 

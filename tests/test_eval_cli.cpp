@@ -93,6 +93,8 @@ TEST_F(EvalCli, UnknownKeyNamesTheClosestOne) {
   EXPECT_NE(err.find("eval.budgts: unknown key (did you mean eval.budgets?)"), std::string::npos) << err;
   EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.policies=[h2o,lru]", &out, &err), 0);
   EXPECT_NE(err.find("lru: unknown policy"), std::string::npos) << err;
+  EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.policies=[full,h2o,full]", &out, &err), 0);
+  EXPECT_NE(err.find("eval.policies: 'full' is listed twice"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(dir_ / "runs"));
 }
 

@@ -4,9 +4,10 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
-#ifdef USE_C10D_GLOO  // defined when the gloo headers were found (KVBOUND_WITH_GLOO, CMakeLists.txt)
+#ifdef KVBOUND_GLOO  // defined when the gloo headers were found (KVBOUND_WITH_GLOO, CMakeLists.txt)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -74,7 +75,7 @@ DataParallel::DataParallel(const DistributedEnv& env, c10::Device device, double
           make_nccl(&group_->store, static_cast<int>(env.rank), static_cast<int>(env.world), static_cast<long>(timeout.count()))));
       group_->device = device;
     } else {
-#ifdef USE_C10D_GLOO
+#ifdef KVBOUND_GLOO
       auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
       gloo_options->devices.push_back(
           c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr == "localhost" ? "127.0.0.1" : env.master_addr));
