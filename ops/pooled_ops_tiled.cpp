@@ -18,6 +18,7 @@
 #include <cmath>
 #include <limits>
 
+#include "ops/cuda_module.h"
 #include "ops/pooled_window.h"
 
 namespace kvbound::ops {
@@ -127,6 +128,12 @@ at::Tensor pooled_attention_importance_tiled(const at::Tensor& q, const at::Tens
               "kvbound::pooled_attention_importance: expected q [B, Hq, T, D], k [B, Hkv, T, D]; got ", q.sizes(),
               ", ", k.sizes());
   c10::NoGradGuard no_grad;
+  if (q.is_cuda()) {  // bf16/fp16 with head dim 64 or 128: the tensor-core kernels (ops/pooled_importance_mma.cu)
+    using TensorCorePath = bool (*)(const at::Tensor*, const at::Tensor*, int64_t, int64_t, int64_t, at::Tensor*);
+    const auto tensor_cores = reinterpret_cast<TensorCorePath>(cuda_module_symbol("kvbound_pooled_importance_mma"));
+    at::Tensor out;
+    if (tensor_cores != nullptr && tensor_cores(&q, &k, pool, window, min_gap, &out)) return out;
+  }
   const int64_t B = q.size(0), Hq = q.size(1), Hkv = k.size(1), G = Hq / Hkv, T = q.size(2), D = q.size(3);
   const auto options = q.options().dtype(compute_type(q));
   const at::Tensor q_grouped = q.to(options.dtype()).reshape({B, Hkv, G, T, D});

@@ -3,7 +3,9 @@
 // bf16/fp16) whose rows are folded into per-key running sums, maxima (+ argmax) or logsumexps, in place, so
 // memory is about one [B, H, rows, T] tile (two in the relu backward), never [B, H, T, T]. They are the ops' CUDA kernels (registered for the CUDA dispatch
 // key), and run on any device, so the CPU tests hold them to the same references as the CPU kernels.
-// Arithmetic in float32 (float64 stays float64), like the CPU kernels.
+// Arithmetic in float32 (float64 stays float64), like the CPU kernels. On CUDA, the importance of bf16/fp16
+// inputs with head dim 64 or 128 goes to the CUDA module's tensor-core kernels instead
+// (ops/pooled_importance_mma.cu): each tile here makes several fp32 passes over [B, Hq, rows, T] in memory.
 #pragma once
 #include <ATen/core/Tensor.h>
 

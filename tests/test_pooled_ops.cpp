@@ -532,6 +532,35 @@ TEST(PooledOpsTiled, TileMemoryIsAFewTiles) {
   }
 }
 
+// bf16/fp16 importance with head dim 64 or 128 runs on tensor cores (ops/pooled_importance_mma.cu): the dtype's
+// exact products summed in fp32, everything after them fp32. So it equals the CPU kernel in float32 on the same
+// rounded inputs up to fp32 rounding, entry by entry (an invalid key's 0 exactly): a query window or gap off by
+// one row, or a tile missed at a ragged T, moves an entry by far more.
+TEST(PooledOpsCuda, ImportanceOnTensorCoresMatchesFloat32) {
+  std::string why;
+  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  at::manual_seed(15);
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf})
+    for (const int64_t D : {64, 128})
+      for (const int64_t T : {1, 70, 333}) {
+        const at::Tensor q = randn({2, 8, T, D}, dtype), k = randn({2, 2, T, D}, dtype);
+        for (const auto [window, min_gap] : {std::pair<int64_t, int64_t>{0, 0}, {64, 2}, {0, 5}, {500, 0}})
+          for (const PoolMode pool : kPools) {
+            const std::string what = describe(pool, window, min_gap, T, dtype) + " D=" + std::to_string(D);
+            const at::Tensor actual = ops::pooled_attention_importance(q.cuda(), k.cuda(), pool, window, min_gap).cpu();
+            const at::Tensor expected =
+                ops::pooled_attention_importance(q.to(at::kFloat), k.to(at::kFloat), pool, window, min_gap);
+            ASSERT_EQ(actual.scalar_type(), at::kFloat) << what;
+            ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+            const at::Tensor excess = (actual.to(at::kDouble) - expected.to(at::kDouble)).abs() -
+                                      (1e-3 * expected.to(at::kDouble).abs() + 1e-7);
+            EXPECT_LE(excess.max().item<double>(), 0.0) << what << ": worst entry off by "
+                                                          << (actual - expected).abs().max().item<double>();
+          }
+      }
+}
+
 // On a GPU the ops dispatch to the tiled path: the same values and gradients as the CPU kernels, fp32 and bf16.
 TEST(PooledOpsCuda, MatchCpuKernels) {
   std::string why;
