@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "base/process_heap.h"
@@ -140,9 +141,10 @@ void bench_retention_sum(int64_t T, bool check) {
   print_line("retention_sum", "naive", "fwd", shape, 0, naive, check ? relative_error(out, ref) : -1);
 }
 
-// IndexMem's pooled ops (max pooling, every later query: the most work) through the dispatcher (on CUDA: the
-// tiled path of ops/pooled_ops_tiled.h) against the naive formula: the teacher's forward, and the student's
-// forward + backward (index dim 64, relu).
+// IndexMem's pooled ops over every later query (the most work) through the dispatcher against the naive formula:
+// the teacher's forward with max pooling (bf16, head dim 128: ops/pooled_importance_mma.cu), and the student's
+// forward + backward (index dim 64) with max pooling and relu (the tiled path of ops/pooled_ops_tiled.h) and with
+// the default, mean pooling and identity (the suffix-sum form of ops/pooled_index_score.h); the pass names which.
 void bench_pooled(int64_t T, bool naive_fits) {
   using kvbound::ops::PoolMode;
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
@@ -161,15 +163,17 @@ void bench_pooled(int64_t T, bool naive_fits) {
                                at::sigmoid(at::randn({1, kQueryHeads, T}, opts))};
   for (at::Tensor& t : x) t.requires_grad_(true);
   const at::Tensor weight = at::randn({1, kKvHeads, T}, opts);
-  for (const bool naive : {false, true}) {
-    if (naive && !naive_fits) continue;
-    const Timing t = measure([&] {
-      const at::Tensor z = naive ? kvbound::ops::pooled_index_score_reference(x[0], x[1], x[2], PoolMode::Max, 0, 0, true)
-                                 : kvbound::ops::pooled_index_score(x[0], x[1], x[2], PoolMode::Max, 0, 0, true);
-      torch::autograd::grad({(at::where(at::isfinite(z), z, 0) * weight).sum()}, x);
-    });
-    print_line("pooled_index_score", naive ? "naive" : "kernel", "fwd+bwd", shape + ", \"dI\": 64", 0, t, -1);
-  }
+  for (const auto& [pool, relu, pass] : {std::tuple{PoolMode::Max, true, "fwd+bwd max relu"},
+                                         std::tuple{PoolMode::Mean, false, "fwd+bwd mean identity"}})
+    for (const bool naive : {false, true}) {
+      if (naive && !naive_fits) continue;
+      const Timing t = measure([&] {
+        const at::Tensor z = naive ? kvbound::ops::pooled_index_score_reference(x[0], x[1], x[2], pool, 0, 0, relu)
+                                   : kvbound::ops::pooled_index_score(x[0], x[1], x[2], pool, 0, 0, relu);
+        torch::autograd::grad({(at::where(at::isfinite(z), z, 0) * weight).sum()}, x);
+      });
+      print_line("pooled_index_score", naive ? "naive" : "kernel", pass, shape + ", \"dI\": 64", 0, t, -1);
+    }
 }
 
 }  // namespace

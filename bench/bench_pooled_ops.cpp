@@ -1,5 +1,6 @@
 // IndexMem ops on CPU: the blocked, memory-bounded kernels (ops/pooled_attention_importance.h,
-// ops/pooled_index_score.h) against the naive ATen references. SmolLM2-like heads: B=1, Hq=9, Hkv=3, D=64,
+// ops/pooled_index_score.h; for the index score with mean pooling and identity, its suffix-sum form) against the
+// naive ATen references. SmolLM2-like heads: B=1, Hq=9, Hkv=3, D=64,
 // index dim 32 with one index key per KV head (Hk=3), fp32. Prints two tables:
 //   time:   teacher forward; index score forward + backward of Σ z·weight over valid keys; best of `repeats`
 //           at T=2048, for every pool, window all (the most work: every later query) and 32 (the default);

@@ -3,10 +3,12 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/relu.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -424,11 +426,36 @@ class PooledIndexScoreFunction : public torch::autograd::Function<PooledIndexSco
   }
 };
 
+// With act = identity, mean pooling is linear in the queries: mean_{s∈Ω(t)} q_g[s]·kI[t]/√dI =
+// kI[t]·(Σ_{s ≥ start(t)} q_g[s]) / (|Ω(t)|·√dI), q_g = Σ_{h∈g} w_h qI_h. One suffix sum over the queries gives
+// every key's sum: O(B·Hq·T·dI) work and memory instead of the kernels' O(B·Hq·T²·dI) products, the same value
+// up to the order of the sums. Autograd differentiates the few ATen ops (the backward is a prefix sum).
+// Arithmetic in float32 (float64 stays float64), like the kernels.
+at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, int64_t window,
+                             int64_t min_gap) {
+  const at::ScalarType compute = qI.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), T = qI.size(2), d = qI.size(3), G = Hq / Hk;
+  const at::Tensor q_eff =
+      (qI.to(compute).reshape({B, Hk, G, T, d}) * w.to(compute).reshape({B, Hk, G, T, 1})).sum(2);  // [B, Hk, T, d]
+  // Row r: Σ_{s ≥ r} q_g[s], for r = 0..T (row T is the empty sum of keys whose Ω is empty).
+  const at::Tensor suffix =
+      at::cat({q_eff.flip({2}).cumsum(2).flip({2}), at::zeros({B, Hk, 1, d}, q_eff.options())}, 2);
+  const at::Tensor starts = window_starts(T, window, min_gap, q_eff.options()).clamp_max(T);
+  const at::Tensor sizes = (T - starts).to(compute);
+  const at::Tensor mean = (suffix.index_select(2, starts) * kI.to(compute)).sum(-1) /
+                          (sizes.clamp_min(1) * std::sqrt(static_cast<double>(d)));
+  return at::where(sizes > 0, mean, -std::numeric_limits<double>::infinity()).to(qI.scalar_type());
+}
+
 }  // namespace
 
 at::Tensor pooled_index_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, PoolMode pool,
                               int64_t window, int64_t min_gap, bool relu, int64_t query_block, int64_t key_block) {
   check_inputs(qI, kI, w);
+  if (!relu && pool == PoolMode::Mean) {
+    check_window_args(kOpName, min_gap, query_block, key_block);
+    return linear_mean_score(qI, kI, w, window, min_gap);
+  }
   return PooledIndexScoreFunction::apply(qI, kI, w, static_cast<int64_t>(pool), window, min_gap, relu, query_block,
                                          key_block);
 }
