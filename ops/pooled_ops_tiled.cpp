@@ -4,6 +4,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/index_put.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/isinf.h>
 #include <ATen/ops/log.h>
 #include <ATen/ops/matmul.h>
@@ -113,6 +115,34 @@ IndexTile index_tile(const at::Tensor& q_grouped, const at::Tensor& q_effective,
   return {weighted.sum(2).mul_(scale), keep_products ? products : at::Tensor()};
 }
 
+// Max pooling's backward: z_t = I[a_t, t] for the forward's argmax query a_t, so each key's gradient reaches one
+// query, O(B·Hq·T·dI) gathers instead of tiles over every (s, t). g: dL/dz·(1/√dI) [B, Hk, T], 0 for keys with an
+// empty Ω; a: [B, Hk, T] (int64). Several keys can share a query: the query side is summed by index_put_ with
+// accumulation (sorted indices on CUDA, so the sums have one order: deterministic).
+void max_pool_backward(const at::Tensor& g, const at::Tensor& a, const at::Tensor& q_grouped, const at::Tensor& q_effective,
+                       const at::Tensor& w_grouped, const at::Tensor& k, bool relu, at::Tensor& grad_q, at::Tensor& grad_k,
+                       at::Tensor& grad_w) {
+  const int64_t B = k.size(0), Hk = k.size(1), T = k.size(2), d = k.size(3);
+  const auto longs = a.options();
+  if (!relu) {  // I = q_eff·kI: dq_eff[a_t] += g_t kI_t, dkI_t = g_t q_eff[a_t]
+    const at::Tensor rows = at::arange(B * Hk, longs).view({B, Hk, 1}) * T + a;  // flat query row of each key
+    grad_k.copy_(q_effective.reshape({B * Hk * T, d}).index_select(0, rows.flatten()).view({B, Hk, T, d}) *
+                 g.unsqueeze(-1));
+    grad_q.view({B * Hk * T, d}).index_put_({rows.flatten()}, (k * g.unsqueeze(-1)).reshape({B * Hk * T, d}), true);
+    return;
+  }
+  // relu: I = Σ_h w_h relu(P_h) with P_h = qI_h·kI, recomputed at (a_t, t) only.
+  const int64_t G = q_grouped.size(2);
+  const at::Tensor rows = (at::arange(B * Hk * G, longs).view({B, Hk, G, 1}) * T + a.unsqueeze(2)).flatten();
+  const at::Tensor q_at = q_grouped.reshape({B * Hk * G * T, d}).index_select(0, rows).view({B, Hk, G, T, d});
+  const at::Tensor w_at = w_grouped.reshape({B * Hk * G * T}).index_select(0, rows).view({B, Hk, G, T});
+  const at::Tensor products = (q_at * k.unsqueeze(2)).sum(-1);                     // P_h[a_t, t], [B, Hk, G, T]
+  const at::Tensor e = at::where(products > 0, g.unsqueeze(2) * w_at, 0);          // dL/dP_h / √dI
+  grad_k.copy_((e.unsqueeze(-1) * q_at).sum(2));
+  grad_q.view({B * Hk * G * T, d}).index_put_({rows}, (e.unsqueeze(-1) * k.unsqueeze(2)).reshape({-1, d}), true);
+  grad_w.view({B * Hk * G * T}).index_put_({rows}, (g.unsqueeze(2) * at::relu(products)).flatten(), true);
+}
+
 }  // namespace
 
 int64_t pooled_tile_rows(int64_t T, int64_t query_block) {
@@ -210,32 +240,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pooled_index_score_tiled_bwd(
   // z is constant on keys with an empty Ω: they pass no gradient, whatever arrives for them.
   const at::Tensor gz = at::where(sizes > 0, grad_z.to(options.dtype()), 0);
   const at::Tensor z_c = z.to(options.dtype());
-  const at::Tensor arg = mode == PoolMode::Max ? argmax.to(at::kLong) : at::Tensor();
   at::Tensor grad_q = at::zeros(relu ? q_grouped.sizes() : q_effective.sizes(), options);  // grouped | effective
   at::Tensor grad_k = at::zeros(k.sizes(), options);
   at::Tensor grad_w = relu ? at::zeros(w_grouped.sizes(), options) : at::Tensor();
-  const auto longs = options.dtype(at::kLong);
   const int64_t rows = pooled_tile_rows(T, query_block);
-  for (int64_t s0 = first_pooled_query(T, window, min_gap); s0 < T; s0 += rows) {
+  if (mode == PoolMode::Max)
+    max_pool_backward(gz * scale, argmax.to(at::kLong).clamp_min(0), q_grouped, q_effective, w_grouped, k, relu, grad_q,
+                      grad_k, grad_w);
+  for (int64_t s0 = first_pooled_query(T, window, min_gap); mode != PoolMode::Max && s0 < T; s0 += rows) {
     const int64_t n = std::min(rows, T - s0);
     const at::Tensor outside = outside_window(s0, n, T, min_gap, options);
     IndexTile tile;
     if (relu || mode == PoolMode::LogSumExp)
       tile = index_tile(q_grouped, q_effective, w_grouped, k_t, relu, s0, n, scale, relu);
     // dL/dI[s, t]·(1/√dI) over the tile, [B, Hk, n, T].
-    at::Tensor grad_scores;
-    switch (mode) {
-      case PoolMode::Mean:
-        grad_scores = (gz * (scale / sizes.clamp_min(1))).unsqueeze(-2).expand({B, Hk, n, T}).masked_fill(outside, 0);
-        break;
-      case PoolMode::Max:
-        grad_scores = at::where(arg.unsqueeze(-2) == at::arange(s0, s0 + n, longs).unsqueeze(1),
-                                (gz * scale).unsqueeze(-2), 0);
-        break;
-      case PoolMode::LogSumExp:  // dz/dI = exp(I − z) inside Ω
-        grad_scores = tile.scores.sub_(z_c.unsqueeze(-2)).exp_().mul_((gz * scale).unsqueeze(-2)).masked_fill_(outside, 0);
-        break;
-    }
+    const at::Tensor grad_scores =
+        mode == PoolMode::Mean
+            ? (gz * (scale / sizes.clamp_min(1))).unsqueeze(-2).expand({B, Hk, n, T}).masked_fill(outside, 0)
+            // logsumexp: dz/dI = exp(I − z) inside Ω
+            : tile.scores.sub_(z_c.unsqueeze(-2)).exp_().mul_((gz * scale).unsqueeze(-2)).masked_fill_(outside, 0);
     if (!relu) {  // I = q_eff·kI (scaled): both gradients are one product each
       grad_q.narrow(2, s0, n).add_(at::matmul(grad_scores, k));
       grad_k.add_(at::matmul(grad_scores.transpose(-2, -1), q_effective.narrow(2, s0, n)));

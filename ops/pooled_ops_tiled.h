@@ -6,6 +6,8 @@
 // Arithmetic in float32 (float64 stays float64), like the CPU kernels. On CUDA, the importance of bf16/fp16
 // inputs with head dim 64 or 128 goes to the CUDA module's tensor-core kernels instead
 // (ops/pooled_importance_mma.cu): each tile here makes several fp32 passes over [B, Hq, rows, T] in memory.
+// Max pooling's backward needs no tiles: each key's gradient reaches its argmax query alone (gathers and a
+// deterministic accumulating scatter, O(B·Hq·T·dI)).
 #pragma once
 #include <ATen/core/Tensor.h>
 
