@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/index_add.h>
 #include <ATen/ops/index_put.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/isinf.h>
@@ -115,10 +116,19 @@ IndexTile index_tile(const at::Tensor& q_grouped, const at::Tensor& q_effective,
   return {weighted.sum(2).mul_(scale), keep_products ? products : at::Tensor()};
 }
 
+// target[rows[i]] += values[i] in one fixed order on either device: the CPU's index_add_ walks the indices in
+// order, CUDA's accumulating index_put_ sorts them first (its index_add_ uses atomics, and the CPU's index_put_
+// may run in parallel).
+void accumulate_rows(const at::Tensor& target, const at::Tensor& rows, const at::Tensor& values) {
+  if (target.is_cuda())
+    target.index_put_({rows}, values, /*accumulate=*/true);
+  else
+    target.index_add_(0, rows, values);
+}
+
 // Max pooling's backward: z_t = I[a_t, t] for the forward's argmax query a_t, so each key's gradient reaches one
 // query, O(B·Hq·T·dI) gathers instead of tiles over every (s, t). g: dL/dz·(1/√dI) [B, Hk, T], 0 for keys with an
-// empty Ω; a: [B, Hk, T] (int64). Several keys can share a query: the query side is summed by index_put_ with
-// accumulation (sorted indices on CUDA, so the sums have one order: deterministic).
+// empty Ω; a: [B, Hk, T] (int64). Several keys can share a query: accumulate_rows sums the query side.
 void max_pool_backward(const at::Tensor& g, const at::Tensor& a, const at::Tensor& q_grouped, const at::Tensor& q_effective,
                        const at::Tensor& w_grouped, const at::Tensor& k, bool relu, at::Tensor& grad_q, at::Tensor& grad_k,
                        at::Tensor& grad_w) {
@@ -128,7 +138,7 @@ void max_pool_backward(const at::Tensor& g, const at::Tensor& a, const at::Tenso
     const at::Tensor rows = at::arange(B * Hk, longs).view({B, Hk, 1}) * T + a;  // flat query row of each key
     grad_k.copy_(q_effective.reshape({B * Hk * T, d}).index_select(0, rows.flatten()).view({B, Hk, T, d}) *
                  g.unsqueeze(-1));
-    grad_q.view({B * Hk * T, d}).index_put_({rows.flatten()}, (k * g.unsqueeze(-1)).reshape({B * Hk * T, d}), true);
+    accumulate_rows(grad_q.view({B * Hk * T, d}), rows.flatten(), (k * g.unsqueeze(-1)).reshape({B * Hk * T, d}));
     return;
   }
   // relu: I = Σ_h w_h relu(P_h) with P_h = qI_h·kI, recomputed at (a_t, t) only.
@@ -139,8 +149,8 @@ void max_pool_backward(const at::Tensor& g, const at::Tensor& a, const at::Tenso
   const at::Tensor products = (q_at * k.unsqueeze(2)).sum(-1);                     // P_h[a_t, t], [B, Hk, G, T]
   const at::Tensor e = at::where(products > 0, g.unsqueeze(2) * w_at, 0);          // dL/dP_h / √dI
   grad_k.copy_((e.unsqueeze(-1) * q_at).sum(2));
-  grad_q.view({B * Hk * G * T, d}).index_put_({rows}, (e.unsqueeze(-1) * k.unsqueeze(2)).reshape({-1, d}), true);
-  grad_w.view({B * Hk * G * T}).index_put_({rows}, (g.unsqueeze(2) * at::relu(products)).flatten(), true);
+  accumulate_rows(grad_q.view({B * Hk * G * T, d}), rows, (e.unsqueeze(-1) * k.unsqueeze(2)).reshape({-1, d}));
+  accumulate_rows(grad_w.view({B * Hk * G * T}), rows, (g.unsqueeze(2) * at::relu(products)).flatten());
 }
 
 }  // namespace
