@@ -143,8 +143,9 @@ void bench_retention_sum(int64_t T, bool check) {
 
 // IndexMem's pooled ops over every later query (the most work) through the dispatcher against the naive formula:
 // the teacher's forward with max pooling (bf16, head dim 128: ops/pooled_importance_mma.cu), and the student's
-// forward + backward (index dim 64) with max pooling and relu (the tiled path of ops/pooled_ops_tiled.h) and with
-// the default, mean pooling and identity (the suffix-sum form of ops/pooled_index_score.h); the pass names which.
+// forward + backward (index dim 64) with max pooling and relu (forward: ops/pooled_index_score_mma.cu; backward:
+// the argmax gathers of ops/pooled_ops_tiled.h) and with the default, mean pooling and identity (the suffix-sum
+// form of ops/pooled_index_score.h); the pass names which.
 void bench_pooled(int64_t T, bool naive_fits) {
   using kvbound::ops::PoolMode;
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);

@@ -207,6 +207,14 @@ std::tuple<at::Tensor, at::Tensor> pooled_index_score_tiled_fwd(const at::Tensor
   const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), G = Hq / Hk, T = qI.size(2), d = qI.size(3);
   TORCH_CHECK(T <= std::numeric_limits<int32_t>::max(), "kvbound::pooled_index_score: T = ", T,
               " does not fit the int32 argmax");
+  if (qI.is_cuda()) {  // bf16/fp16 with index dim 32, 64 or 128: the tensor-core kernel (ops/pooled_index_score_mma.cu)
+    using TensorCorePath = bool (*)(const at::Tensor*, const at::Tensor*, const at::Tensor*, int64_t, int64_t, int64_t,
+                                    bool, at::Tensor*, at::Tensor*);
+    const auto tensor_cores = reinterpret_cast<TensorCorePath>(cuda_module_symbol("kvbound_pooled_index_score_mma"));
+    at::Tensor z, argmax;
+    if (tensor_cores != nullptr && tensor_cores(&qI, &kI, &w, pool, window, min_gap, relu, &z, &argmax))
+      return {z, argmax};
+  }
   const auto options = qI.options().dtype(compute_type(qI));
   const at::Tensor q_grouped = qI.to(options.dtype()).reshape({B, Hk, G, T, d});
   const at::Tensor w_grouped = w.to(options.dtype()).reshape({B, Hk, G, T});
