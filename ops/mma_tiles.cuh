@@ -112,6 +112,18 @@ __device__ void load_tile_async(uint16_t* dst, const uint16_t* src, int64_t firs
   }
 }
 
+// One step of the double-buffered tile pipeline: issues tile n + 1 (if any) into the other stage, then waits for
+// tile n's cp.async group (the caller's __syncthreads() then shows it to every warp).
+template <typename Issue>
+__device__ void issue_next_and_wait(int n, int tiles, Issue&& issue) {
+  if (n + 1 < tiles) {
+    issue(n + 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
 // Entry first + threadIdx.x of a length-T vector (of dtype scalar_t, or fp32) as fp32, 0 past T. The tile
 // vectors (log β, lse, Δ) are read into a register when their tile is issued and written to shared memory
 // after the current tile's products, so the load's latency hides behind the mma work.

@@ -20,19 +20,16 @@
 #include <limits>
 
 #include "ops/mma_tiles.cuh"
+#include "ops/pooled_mma_keys.cuh"
 #include "ops/pooled_window.h"
 
 namespace kvbound::ops::mma {
 namespace {
 
-// Pass 1's shared memory: two stages of K tiles. Pass 2's: the block's own K rows, two stages of Q tiles and lse.
+// Pass 1's shared memory: two stages of K tiles (pass 2's: KeyMajorSmem, with lse as the entries).
 template <int D>
 constexpr size_t row_lse_smem() {
   return 2 * kTile * pitch<D>() * sizeof(uint16_t);
-}
-template <int D>
-constexpr size_t key_pool_smem() {
-  return kBlockRows * pitch<D>() * sizeof(uint16_t) + 2 * (kTile * pitch<D>() * sizeof(uint16_t) + kTile * sizeof(float));
 }
 
 // Grid: x = query row b·Hq + h (KV row (b·Hq + h)/group), y = block of 64 queries from first_query on.
@@ -60,12 +57,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   issue(0);
   for (int n = 0; n < tiles; ++n) {
-    if (n + 1 < tiles) {
-      issue(n + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(n, tiles, issue);
     __syncthreads();  // tile n is visible to every warp
     const int s0 = n * kTile;
     if (q0 < T && s0 <= q0 + 15) {  // warp-uniform: some row of the warp sees some key of the tile
@@ -134,23 +126,17 @@ struct HeadPool {
   }
 };
 
-// Grid: x = KV row b·Hkv + g (query rows (b·Hkv + g)·group ...), y = block of 64 keys. Ω(i) = [start(i), T) with
-// start(i) = max(i + min_gap, window_first): the block's queries start at start(block_i0).
+// Grid: x = KV row b·Hkv + g (query rows (b·Hkv + g)·group ...), y = block of 64 keys (ops/pooled_mma_keys.cuh).
 template <typename scalar_t, int D, PoolMode kPool>
 __global__ void __launch_bounds__(kThreads)
     key_pool_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k, const float* __restrict__ lse,
                     float* __restrict__ out, int T, int window_first, int min_gap, int group, float scale) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);            // [kBlockRows][pitch]
-  uint16_t* q_s = k_s + kBlockRows * pitch<D>();                    // [stage][kTile][pitch]
-  float* lse_s = reinterpret_cast<float*>(q_s + 2 * kTile * pitch<D>());  // [stage][kTile]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const KeyMajorSmem<D> smem(smem_raw);
+  const int warp = threadIdx.x / 32, c = threadIdx.x % 4;
   const int64_t kv_row = blockIdx.x;
-  const int block_i0 = static_cast<int>(blockIdx.y) * kBlockRows, i0 = block_i0 + 16 * warp;
-  const int i_lo = i0 + g, i_hi = i_lo + 8;
-  const int start_lo = max(i_lo + min_gap, window_first), start_hi = max(i_hi + min_gap, window_first);
-  const int size_lo = i_lo < T ? max(T - start_lo, 0) : 0, size_hi = i_hi < T ? max(T - start_hi, 0) : 0;
-  const int u_first = max(block_i0 + min_gap, window_first);  // no query before it is in any of the block's Ω
+  const WarpKeys keys(T, window_first, min_gap);
+  const int i0 = keys.t0, i_lo = keys.t_lo, i_hi = keys.t_hi, u_first = keys.first_query;
   float* out_row = out + kv_row * T;
   if (u_first >= T) {  // block-uniform: every key of the block has an empty Ω
     if (c == 0) {
@@ -159,7 +145,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  load_tile_async<D, kBlockRows>(k_s, k + kv_row * T * D, block_i0, T);
+  load_tile_async<D, kBlockRows>(smem.keys, k + kv_row * T * D, keys.block_t0, T);
   cp_async_commit();
 
   // Tiles n = h·per_head + u: query head kv_row·group + h, queries u_first + 64u ...
@@ -168,33 +154,28 @@ __global__ void __launch_bounds__(kThreads)
   auto issue = [&](int n) {
     const int64_t row = kv_row * group + n / per_head;
     const int u0 = u_first + (n % per_head) * kTile;
-    load_tile_async<D, kTile>(q_s + (n & 1) * kTile * pitch<D>(), q + row * T * D, u0, T);
+    load_tile_async<D, kTile>(smem.query_stage(n), q + row * T * D, u0, T);
     cp_async_commit();
     if (threadIdx.x < kTile) lse_next = vector_entry(lse + row * T, u0, T);
   };
   // Stage n & 1's last readers were in iteration n − 2, which a barrier closed.
   auto stage_lse = [&](int n) {
-    if (threadIdx.x < kTile) lse_s[(n & 1) * kTile + threadIdx.x] = lse_next;
+    if (threadIdx.x < kTile) smem.entry_stage(n)[threadIdx.x] = lse_next;
   };
   HeadPool<kPool> pool_lo, pool_hi;
   float total_lo = 0.f, total_hi = 0.f;  // Σ over the group's heads
   issue(0);
   stage_lse(0);
   for (int n = 0; n < tiles; ++n) {
-    if (n + 1 < tiles) {
-      issue(n + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(n, tiles, issue);
     __syncthreads();  // tile n (and the block's K rows, with tile 0) are visible to every warp
     const int u0 = u_first + (n % per_head) * kTile;
-    const float* lse_tile = lse_s + (n & 1) * kTile;
+    const float* lse_tile = smem.entry_stage(n);
     if (i0 < T) {  // warp-uniform
       // Query u0 + col is in Ω(i) when start(i) ≤ u0 + col < T; keys past T get size 0 and add nothing.
-      const int from_lo = start_lo - u0, from_hi = start_hi - u0, queries = min(kTile, T - u0);
+      const int from_lo = keys.start_lo - u0, from_hi = keys.start_hi - u0, queries = min(kTile, T - u0);
       float st[kTile / 8][4] = {};
-      mma_shared_rows_by_tile_rows<scalar_t, D>(st, k_s, 16 * warp, q_s + (n & 1) * kTile * pitch<D>());  // Sᵀ = K Qᵀ
+      mma_shared_rows_by_tile_rows<scalar_t, D>(st, smem.keys, 16 * warp, smem.query_stage(n));  // Sᵀ = K Qᵀ
 #pragma unroll
       for (int j = 0; j < kTile / 8; ++j) {
 #pragma unroll
@@ -210,8 +191,8 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (n % per_head == per_head - 1) {  // the head's last tile
-        total_lo += pool_lo.take(size_lo);
-        total_hi += pool_hi.take(size_hi);
+        total_lo += pool_lo.take(keys.size_lo);
+        total_hi += pool_hi.take(keys.size_hi);
       }
     }
     if (n + 1 < tiles) stage_lse(n + 1);
@@ -242,8 +223,8 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse, at:
     using scalar_t = decltype(dtype);
     constexpr int D = decltype(dims)::value;
     const auto kernel = key_pool_kernel<scalar_t, D, kPool>;
-    allow_smem(kernel, key_pool_smem<D>());
-    kernel<<<grid, kThreads, key_pool_smem<D>(), stream>>>(bits(q), bits(k), lse.const_data_ptr<float>(),
+    allow_smem(kernel, KeyMajorSmem<D>::kBytes);
+    kernel<<<grid, kThreads, KeyMajorSmem<D>::kBytes, stream>>>(bits(q), bits(k), lse.const_data_ptr<float>(),
                                                             out.mutable_data_ptr<float>(), T, window_first, min_gap,
                                                             group, scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -18,16 +18,11 @@
 #include <limits>
 
 #include "ops/mma_tiles.cuh"
+#include "ops/pooled_mma_keys.cuh"
 #include "ops/pooled_window.h"
 
 namespace kvbound::ops::mma {
 namespace {
-
-// The block's own kI rows, and two stages of a qI tile and its weights.
-template <int D>
-constexpr size_t index_score_smem() {
-  return kBlockRows * pitch<D>() * sizeof(uint16_t) + 2 * (kTile * pitch<D>() * sizeof(uint16_t) + kTile * sizeof(float));
-}
 
 // One key's running pool over the queries a lane sees, then merged over its quad.
 template <PoolMode kPool>
@@ -76,8 +71,7 @@ struct KeyPool {
   }
 };
 
-// Grid: x = index-key row b·Hk + g (query rows (b·Hk + g)·group ...), y = block of 64 keys. Ω(t) = [start(t), T)
-// with start(t) = max(t + min_gap, window_first): the block's queries start at start(block_t0).
+// Grid: x = index-key row b·Hk + g (query rows (b·Hk + g)·group ...), y = block of 64 keys (ops/pooled_mma_keys.cuh).
 template <typename scalar_t, int D, PoolMode kPool, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
     index_score_kernel(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k, const uint16_t* __restrict__ w,
@@ -85,16 +79,11 @@ __global__ void __launch_bounds__(kThreads)
                        int group, float scale) {
   using Tp = Dtype<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem_raw);                 // [kBlockRows][pitch]
-  uint16_t* q_s = k_s + kBlockRows * pitch<D>();                         // [stage][kTile][pitch]
-  float* w_s = reinterpret_cast<float*>(q_s + 2 * kTile * pitch<D>());  // [stage][kTile]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const KeyMajorSmem<D> smem(smem_raw);  // the entries: the query head's weights
+  const int warp = threadIdx.x / 32, c = threadIdx.x % 4;
   const int64_t key_row = blockIdx.x;
-  const int block_t0 = static_cast<int>(blockIdx.y) * kBlockRows, t0 = block_t0 + 16 * warp;
-  const int t_lo = t0 + g, t_hi = t_lo + 8;
-  const int start_lo = max(t_lo + min_gap, window_first), start_hi = max(t_hi + min_gap, window_first);
-  const int size_lo = t_lo < T ? max(T - start_lo, 0) : 0, size_hi = t_hi < T ? max(T - start_hi, 0) : 0;
-  const int u_first = max(block_t0 + min_gap, window_first);  // no query before it is in any of the block's Ω
+  const WarpKeys keys(T, window_first, min_gap);
+  const int t0 = keys.t0, t_lo = keys.t_lo, t_hi = keys.t_hi, u_first = keys.first_query;
   uint16_t* z_row = z + key_row * T;
   int32_t* argmax_row = argmax == nullptr ? nullptr : argmax + key_row * T;
   if (u_first >= T) {  // block-uniform: every key of the block has an empty Ω
@@ -108,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  load_tile_async<D, kBlockRows>(k_s, k + key_row * T * D, block_t0, T);
+  load_tile_async<D, kBlockRows>(smem.keys, k + key_row * T * D, keys.block_t0, T);
   cp_async_commit();
 
   // Tiles n = u·group + h: queries u_first + 64u ..., query head key_row·group + h.
@@ -117,30 +106,25 @@ __global__ void __launch_bounds__(kThreads)
   auto issue = [&](int n) {
     const int64_t row = key_row * group + n % group;
     const int u0 = u_first + (n / group) * kTile;
-    load_tile_async<D, kTile>(q_s + (n & 1) * kTile * pitch<D>(), q + row * T * D, u0, T);
+    load_tile_async<D, kTile>(smem.query_stage(n), q + row * T * D, u0, T);
     cp_async_commit();
     if (threadIdx.x < kTile) w_next = vector_entry<scalar_t>(w + row * T, u0, T);
   };
   // Stage n & 1's last readers were in iteration n − 2, which a barrier closed.
   auto stage_weights = [&](int n) {
-    if (threadIdx.x < kTile) w_s[(n & 1) * kTile + threadIdx.x] = w_next;
+    if (threadIdx.x < kTile) smem.entry_stage(n)[threadIdx.x] = w_next;
   };
   KeyPool<kPool> pool_lo, pool_hi;
   float scores[kTile / 8][4] = {};  // Σ_h w_h·act(P_h) of the current query tile
   issue(0);
   stage_weights(0);
   for (int n = 0; n < tiles; ++n) {
-    if (n + 1 < tiles) {
-      issue(n + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(n, tiles, issue);
     __syncthreads();  // tile n (and the block's kI rows, with tile 0) are visible to every warp
     if (t0 < T) {  // warp-uniform
-      const float* w_tile = w_s + (n & 1) * kTile;
+      const float* w_tile = smem.entry_stage(n);
       float products[kTile / 8][4] = {};
-      mma_shared_rows_by_tile_rows<scalar_t, D>(products, k_s, 16 * warp, q_s + (n & 1) * kTile * pitch<D>());
+      mma_shared_rows_by_tile_rows<scalar_t, D>(products, smem.keys, 16 * warp, smem.query_stage(n));
 #pragma unroll
       for (int j = 0; j < kTile / 8; ++j) {
 #pragma unroll
@@ -151,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (n % group == group - 1) {  // the query tile's last head: pool its scores
         const int u0 = u_first + (n / group) * kTile, queries = min(kTile, T - u0);
-        const int from_lo = start_lo - u0, from_hi = start_hi - u0;
+        const int from_lo = keys.start_lo - u0, from_hi = keys.start_hi - u0;
 #pragma unroll
         for (int j = 0; j < kTile / 8; ++j) {
 #pragma unroll
@@ -176,12 +160,12 @@ __global__ void __launch_bounds__(kThreads)
   pool_hi.merge_quad();
   if (c != 0) return;
   if (t_lo < T) {
-    z_row[t_lo] = Tp::from_float(pool_lo.result(size_lo));
-    if (argmax_row != nullptr) argmax_row[t_lo] = size_lo > 0 ? pool_lo.query : -1;
+    z_row[t_lo] = Tp::from_float(pool_lo.result(keys.size_lo));
+    if (argmax_row != nullptr) argmax_row[t_lo] = keys.size_lo > 0 ? pool_lo.query : -1;
   }
   if (t_hi < T) {
-    z_row[t_hi] = Tp::from_float(pool_hi.result(size_hi));
-    if (argmax_row != nullptr) argmax_row[t_hi] = size_hi > 0 ? pool_hi.query : -1;
+    z_row[t_hi] = Tp::from_float(pool_hi.result(keys.size_hi));
+    if (argmax_row != nullptr) argmax_row[t_hi] = keys.size_hi > 0 ? pool_hi.query : -1;
   }
 }
 
@@ -224,8 +208,8 @@ void launch(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, at:
     using scalar_t = decltype(dtype);
     constexpr int D = decltype(dims)::value;
     const auto kernel = index_score_kernel<scalar_t, D, kPool, kRelu>;
-    allow_smem(kernel, index_score_smem<D>());
-    kernel<<<grid, kThreads, index_score_smem<D>(), at::cuda::getCurrentCUDAStream()>>>(
+    allow_smem(kernel, KeyMajorSmem<D>::kBytes);
+    kernel<<<grid, kThreads, KeyMajorSmem<D>::kBytes, at::cuda::getCurrentCUDAStream()>>>(
         bits(qI), bits(kI), bits(w), mutable_bits(z),
         kPool == PoolMode::Max ? argmax.mutable_data_ptr<int32_t>() : nullptr, T, window_first, min_gap, group, scale);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -92,12 +92,7 @@ __global__ void __launch_bounds__(kThreads)
   issue(0);
   stage_vectors(0);
   for (int n = 0; n < tiles; ++n) {
-    if (n + 1 < tiles) {
-      issue(n + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(n, tiles, issue);
     __syncthreads();  // tile n (and its log β) is visible to every warp
     const int64_t s0 = static_cast<int64_t>(n) * kTile;
     const uint16_t* k_s = kv_s + (n & 1) * 2 * kTile * pitch<D>();
@@ -227,12 +222,7 @@ __global__ void __launch_bounds__(kThreads)
   issue(0);
   stage_vectors(0);
   for (int n = 0; n < tiles; ++n) {
-    if (n + 1 < tiles) {
-      issue(n + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(n, tiles, issue);
     __syncthreads();
     const int64_t u0 = block_i0 + static_cast<int64_t>(n % per_head) * kTile;
     const uint16_t* q_s = qdo_s + (n & 1) * 2 * kTile * pitch<D>();
