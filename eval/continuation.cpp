@@ -55,7 +55,9 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
                     settings.layer_budget_shares.empty() ? std::vector<std::int64_t>{}
                                                          : apportion_budget(budget, settings.layer_budget_shares));
   KVCache cache = model.make_cache();
-  const at::Tensor tokens = ref.tokens.unsqueeze(0);
+  // On the device once: a host tensor would be copied (a synchronising copy) for every decoded token. The
+  // reference pass has checked these ids against the vocabulary.
+  const at::Tensor tokens = ref.tokens.unsqueeze(0).to(model.device());
   if (policy.needs_hindsight()) policy.set_hindsight(ref.hindsight);
 
   // Prefill in chunks; only the last row's logits are needed (it predicts the first decoded token).
