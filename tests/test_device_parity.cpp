@@ -90,8 +90,8 @@ TEST_P(DeviceParity, EveryMethodTrainsAndEveryPolicyEvaluatesAsOnTheCpu) {
     std::map<std::string, std::vector<double>> losses;
     for (const std::string device : {"cpu", "cuda"}) {
       const std::string run = dir / (name + "_" + device);
-      ASSERT_EQ(test::run_kvbound("train " + (dir / (name + ".yaml")) + " --set run.out_dir=" + run + " --set model.dtype=" + dtype +
-                                      " --set model.device=" + device,
+      ASSERT_EQ(test::run_kvbound("train " + (dir / (name + ".yaml")) + " --set run.out_dir=" + run +
+                                      " --set model.dtype=" + dtype + " --set model.device=" + device,
                                   &out, &err),
                 0)
           << name << " on " << device << ": " << err;
