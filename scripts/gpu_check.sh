@@ -62,8 +62,8 @@ cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench
   echo "gpu_check: build failed"; exit 1; }
 
 stage "CUDA tests (kvbound_device_tests)"
-# --gtest_brief: only failures are printed (their messages name the op, dtype, device and both values).
-bounded 200 "$build"/tests/kvbound_device_tests --gtest_brief=1 --gtest_output="xml:$out/device_tests.xml"
+# Every test's RUN line is printed (a crash then names its test); failures name the op, dtype, device and values.
+bounded 200 "$build"/tests/kvbound_device_tests --gtest_output="xml:$out/device_tests.xml"
 tests_failed=$(grep -o 'failures="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
 tests_skipped=$(grep -c 'result="skipped"' "$out/device_tests.xml" 2>/dev/null)
 tests_total=$(grep -o 'tests="[0-9]*"' "$out/device_tests.xml" 2>/dev/null | head -1 | grep -o '[0-9]*')
