@@ -220,6 +220,45 @@ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The online softmax of a warp's 16 rows over streamed tiles of logits (lane (g, c): row g in the `lo` values, row
+// g + 8 in the `hi` ones; l is this lane's share of the row sum until finish() adds up the quad).
+struct OnlineSoftmaxRows {
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+
+  // Folds in one tile of logits s (−inf where masked) whose lane-local row maxima the caller took while writing
+  // them: s becomes exp(s − m) under the new row maxima m, and rescale_* are the factors by which whatever was
+  // accumulated under the old maxima must be multiplied. A row with no visible key so far keeps m = −inf; its
+  // rescale and probabilities are then 0.
+  __device__ void absorb(float (&s)[kTile / 8][4], float tile_max_lo, float tile_max_hi, float& rescale_lo,
+                         float& rescale_hi) {
+    const float new_lo = fmaxf(m_lo, quad_max(tile_max_lo)), new_hi = fmaxf(m_hi, quad_max(tile_max_hi));
+    const float base_lo = new_lo == -INFINITY ? 0.f : new_lo, base_hi = new_hi == -INFINITY ? 0.f : new_hi;
+    rescale_lo = __expf(m_lo - base_lo);
+    rescale_hi = __expf(m_hi - base_hi);
+    float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j) {
+      s[j][0] = __expf(s[j][0] - base_lo);
+      s[j][1] = __expf(s[j][1] - base_lo);
+      s[j][2] = __expf(s[j][2] - base_hi);
+      s[j][3] = __expf(s[j][3] - base_hi);
+      sum_lo += s[j][0] + s[j][1];
+      sum_hi += s[j][2] + s[j][3];
+    }
+    l_lo = l_lo * rescale_lo + sum_lo;
+    l_hi = l_hi * rescale_hi + sum_hi;
+    m_lo = new_lo;
+    m_hi = new_hi;
+  }
+  // After the last tile: l becomes the whole row sum in every lane of the quad.
+  __device__ void finish() {
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+  }
+  __device__ float lse_lo() const { return m_lo + logf(l_lo); }
+  __device__ float lse_hi() const { return m_hi + logf(l_hi); }
+};
+
 // Rows row0 + g and row0 + g + 8 of a [T, D] output from C fragments (scaled), skipping rows past T.
 template <typename scalar_t, int D>
 __device__ void store_rows(uint16_t* dst, const float (&acc)[D / 8][4], int64_t row0, int64_t T, float scale_lo,

@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* k_head = k + kv_row * T * D;
   uint32_t qf[D / 16][4];
   load_row_fragments<D>(qf, q + row * T * D, q0, T);
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  OnlineSoftmaxRows softmax;
 
   const int tiles = last / kTile + 1;
   auto issue = [&](int n) {
@@ -78,28 +78,16 @@ __global__ void __launch_bounds__(kThreads)
             tile_max_hi = fmaxf(tile_max_hi, s[j][e]);
         }
       }
-      // A row with no visible key so far keeps m = −inf; its rescale and terms are then 0.
-      const float new_lo = fmaxf(m_lo, quad_max(tile_max_lo)), new_hi = fmaxf(m_hi, quad_max(tile_max_hi));
-      const float base_lo = new_lo == -INFINITY ? 0.f : new_lo, base_hi = new_hi == -INFINITY ? 0.f : new_hi;
-      float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-      for (int j = 0; j < kTile / 8; ++j) {
-        sum_lo += __expf(s[j][0] - base_lo) + __expf(s[j][1] - base_lo);
-        sum_hi += __expf(s[j][2] - base_hi) + __expf(s[j][3] - base_hi);
-      }
-      l_lo = l_lo * __expf(m_lo - base_lo) + sum_lo;  // this lane's share of the row sum; the quad adds up at the end
-      l_hi = l_hi * __expf(m_hi - base_hi) + sum_hi;
-      m_lo = new_lo;
-      m_hi = new_hi;
+      float rescale_lo, rescale_hi;  // only the sums are kept
+      softmax.absorb(s, tile_max_lo, tile_max_hi, rescale_lo, rescale_hi);
     }
     __syncthreads();  // every warp is done with stage n & 1 before tile n + 2 is issued into it
   }
   if (q0 >= T) return;
-  l_lo = quad_sum(l_lo);
-  l_hi = quad_sum(l_hi);
+  softmax.finish();
   if (c == 0) {
-    if (t_lo < T) lse[row * T + t_lo] = m_lo + logf(l_lo);
-    if (t_hi < T) lse[row * T + t_hi] = m_hi + logf(l_hi);
+    if (t_lo < T) lse[row * T + t_lo] = softmax.lse_lo();
+    if (t_hi < T) lse[row * T + t_hi] = softmax.lse_hi();
   }
 }
 
@@ -172,24 +160,12 @@ __global__ void __launch_bounds__(kThreads)
     const int u0 = u_first + (n % per_head) * kTile;
     const float* lse_tile = smem.entry_stage(n);
     if (i0 < T) {  // warp-uniform
-      // Query u0 + col is in Ω(i) when start(i) ≤ u0 + col < T; keys past T get size 0 and add nothing.
-      const int from_lo = keys.start_lo - u0, from_hi = keys.start_hi - u0, queries = min(kTile, T - u0);
       float st[kTile / 8][4] = {};
       mma_shared_rows_by_tile_rows<scalar_t, D>(st, smem.keys, 16 * warp, smem.query_stage(n));  // Sᵀ = K Qᵀ
-#pragma unroll
-      for (int j = 0; j < kTile / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 8 * j + 2 * c + (e & 1);
-          if (col < queries && col >= (e < 2 ? from_lo : from_hi)) {
-            const float a = __expf(st[j][e] * scale - lse_tile[col]);
-            if (e < 2)
-              pool_lo.add(a);
-            else
-              pool_hi.add(a);
-          }
-        }
-      }
+      // Keys past T get size 0 and add nothing.
+      keys.pool_window(st, u0, T, [&](float x, int col, bool hi) {
+        (hi ? pool_hi : pool_lo).add(__expf(x * scale - lse_tile[col]));
+      });
       if (n % per_head == per_head - 1) {  // the head's last tile
         total_lo += pool_lo.take(keys.size_lo);
         total_hi += pool_hi.take(keys.size_hi);

@@ -134,22 +134,12 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (n % group == group - 1) {  // the query tile's last head: pool its scores
-        const int u0 = u_first + (n / group) * kTile, queries = min(kTile, T - u0);
-        const int from_lo = keys.start_lo - u0, from_hi = keys.start_hi - u0;
+        const int u0 = u_first + (n / group) * kTile;
+        keys.pool_window(scores, u0, T, [&](float x, int col, bool hi) { (hi ? pool_hi : pool_lo).add(x * scale, u0 + col); });
 #pragma unroll
-        for (int j = 0; j < kTile / 8; ++j) {
+        for (int j = 0; j < kTile / 8; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = 8 * j + 2 * c + (e & 1);
-            if (col < queries && col >= (e < 2 ? from_lo : from_hi)) {
-              if (e < 2)
-                pool_lo.add(scores[j][e] * scale, u0 + col);
-              else
-                pool_hi.add(scores[j][e] * scale, u0 + col);
-            }
-            scores[j][e] = 0.f;
-          }
-        }
+          for (int e = 0; e < 4; ++e) scores[j][e] = 0.f;
       }
     }
     if (n + 1 < tiles) stage_weights(n + 1);

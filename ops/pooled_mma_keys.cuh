@@ -23,6 +23,23 @@ struct WarpKeys {
         size_lo(t_lo < T ? max(T - start_lo, 0) : 0),
         size_hi(t_hi < T ? max(T - start_hi, 0) : 0),
         first_query(max(block_t0 + min_gap, window_first)) {}
+
+  // Calls pool(x, query, hi) for every entry of a warp's C fragments [16 keys × 64 queries u0 ..] whose query is
+  // in its key's Ω (start ≤ query < T); hi: the entry belongs to key t_hi (else t_lo). Queries arrive in
+  // increasing order per key and lane.
+  template <typename Pool>
+  __device__ void pool_window(const float (&frag)[kTile / 8][4], int u0, int T, Pool&& pool) const {
+    const int c = static_cast<int>(threadIdx.x % 4), queries = min(kTile, T - u0);
+    const int from_lo = start_lo - u0, from_hi = start_hi - u0;
+#pragma unroll
+    for (int j = 0; j < kTile / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * c + (e & 1);
+        if (col < queries && col >= (e < 2 ? from_lo : from_hi)) pool(frag[j][e], col, e >= 2);
+      }
+    }
+  }
 };
 
 // Their shared memory: the block's own key rows, and two stages of a query tile with one fp32 entry per query

@@ -170,7 +170,8 @@ at::Tensor pooled_attention_importance_tiled(const at::Tensor& q, const at::Tens
   c10::NoGradGuard no_grad;
   if (q.is_cuda()) {  // bf16/fp16 with head dim 64 or 128: the tensor-core kernels (ops/pooled_importance_mma.cu)
     using TensorCorePath = bool (*)(const at::Tensor*, const at::Tensor*, int64_t, int64_t, int64_t, at::Tensor*);
-    const auto tensor_cores = reinterpret_cast<TensorCorePath>(cuda_module_symbol("kvbound_pooled_importance_mma"));
+    // Looked up once: a CUDA tensor here means the programs' start-up has loaded the module (or never will).
+    static const auto tensor_cores = reinterpret_cast<TensorCorePath>(cuda_module_symbol("kvbound_pooled_importance_mma"));
     at::Tensor out;
     if (tensor_cores != nullptr && tensor_cores(&q, &k, pool, window, min_gap, &out)) return out;
   }
@@ -210,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> pooled_index_score_tiled_fwd(const at::Tensor
   if (qI.is_cuda()) {  // bf16/fp16 with index dim 32, 64 or 128: the tensor-core kernel (ops/pooled_index_score_mma.cu)
     using TensorCorePath = bool (*)(const at::Tensor*, const at::Tensor*, const at::Tensor*, int64_t, int64_t, int64_t,
                                     bool, at::Tensor*, at::Tensor*);
-    const auto tensor_cores = reinterpret_cast<TensorCorePath>(cuda_module_symbol("kvbound_pooled_index_score_mma"));
+    static const auto tensor_cores = reinterpret_cast<TensorCorePath>(cuda_module_symbol("kvbound_pooled_index_score_mma"));
     at::Tensor z, argmax;
     if (tensor_cores != nullptr && tensor_cores(&qI, &kI, &w, pool, window, min_gap, relu, &z, &argmax))
       return {z, argmax};
@@ -230,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor> pooled_index_score_tiled_fwd(const at::Tensor
   }
   const at::Tensor sizes = window_sizes(T, window, min_gap, options);
   const at::Tensor z = pooled.result(sizes, sizes > 0, kMinusInf).to(qI.scalar_type());
-  const at::Tensor argmax = mode == PoolMode::Max ? pooled.argmax.to(at::kInt)
+  // −1 for a key no query sees, as the CPU and CUDA kernels write it.
+  const at::Tensor argmax = mode == PoolMode::Max ? at::where(sizes > 0, pooled.argmax, -1).to(at::kInt)
                                                   : at::empty({0, Hk, T}, qI.options().dtype(at::kInt));
   return {z, argmax};
 }

@@ -22,7 +22,8 @@ int64_t pooled_tile_rows(int64_t T, int64_t query_block);
 at::Tensor pooled_attention_importance_tiled(const at::Tensor& q, const at::Tensor& k, int64_t pool, int64_t window,
                                              int64_t min_gap, int64_t query_block, int64_t key_block);
 
-// (z, argmax): argmax is int32 [B, Hk, T] for max pooling (the query each key's max came from), else an empty
+// (z, argmax): argmax is int32 [B, Hk, T] for max pooling (the query each key's max came from, −1 for a key no
+// query sees), else an empty
 // [0, Hk, T] placeholder, as from the CPU kernel.
 std::tuple<at::Tensor, at::Tensor> pooled_index_score_tiled_fwd(const at::Tensor& qI, const at::Tensor& kI,
                                                                 const at::Tensor& w, int64_t pool, int64_t window,

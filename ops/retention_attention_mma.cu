@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads)
     if (t_hi < T) lse_hi = lse_in[row * T + t_hi], delta_hi = delta[row * T + t_hi];
   }
   float acc[D / 8][4] = {};
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  OnlineSoftmaxRows softmax;  // forward only
 
   const int tiles = static_cast<int>(last / kTile) + 1;
   float beta_next = 0.f;  // threads 0..kTile−1: log β of the issued tile
@@ -133,24 +133,8 @@ __global__ void __launch_bounds__(kThreads)
       if constexpr (kGrad) {
         mma_fragments_by_tile<scalar_t, D>(acc, s, k_s);  // dQ += dS K
       } else {
-        // A row with no visible key so far keeps m = −inf; its rescale and probabilities are then 0.
-        const float new_lo = fmaxf(m_lo, quad_max(tile_max_lo)), new_hi = fmaxf(m_hi, quad_max(tile_max_hi));
-        const float base_lo = new_lo == -INFINITY ? 0.f : new_lo, base_hi = new_hi == -INFINITY ? 0.f : new_hi;
-        const float rescale_lo = __expf(m_lo - base_lo), rescale_hi = __expf(m_hi - base_hi);
-        float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-        for (int j = 0; j < kTile / 8; ++j) {
-          s[j][0] = __expf(s[j][0] - base_lo);
-          s[j][1] = __expf(s[j][1] - base_lo);
-          s[j][2] = __expf(s[j][2] - base_hi);
-          s[j][3] = __expf(s[j][3] - base_hi);
-          sum_lo += s[j][0] + s[j][1];
-          sum_hi += s[j][2] + s[j][3];
-        }
-        l_lo = l_lo * rescale_lo + sum_lo;  // this lane's share of the row sum; the quad adds up at the end
-        l_hi = l_hi * rescale_hi + sum_hi;
-        m_lo = new_lo;
-        m_hi = new_hi;
+        float rescale_lo, rescale_hi;
+        softmax.absorb(s, tile_max_lo, tile_max_hi, rescale_lo, rescale_hi);  // s = P
 #pragma unroll
         for (int d = 0; d < D / 8; ++d) {
           acc[d][0] *= rescale_lo;
@@ -168,12 +152,11 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kGrad) {
     store_rows<scalar_t, D>(out + row * T * D, acc, q0, T, scale, scale);
   } else {
-    l_lo = quad_sum(l_lo);
-    l_hi = quad_sum(l_hi);
-    store_rows<scalar_t, D>(out + row * T * D, acc, q0, T, 1.f / l_lo, 1.f / l_hi);
+    softmax.finish();
+    store_rows<scalar_t, D>(out + row * T * D, acc, q0, T, 1.f / softmax.l_lo, 1.f / softmax.l_hi);
     if (c == 0) {
-      if (t_lo < T) lse_out[row * T + t_lo] = m_lo + logf(l_lo);
-      if (t_hi < T) lse_out[row * T + t_hi] = m_hi + logf(l_hi);
+      if (t_lo < T) lse_out[row * T + t_lo] = softmax.lse_lo();
+      if (t_hi < T) lse_out[row * T + t_hi] = softmax.lse_hi();
     }
   }
 }

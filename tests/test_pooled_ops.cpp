@@ -478,6 +478,8 @@ TEST(PooledOpsTiled, IndexScoreMatchesReference) {
                   expect_close(z, reference.z, value_tol, what + ": z", valid.expand_as(z));
                   EXPECT_TRUE(z.masked_select(valid.logical_not()).eq(-INFINITY).all().item<bool>()) << what;
                   EXPECT_EQ(argmax.size(0), pool == PoolMode::Max ? 2 : 0) << what;
+                  if (pool == PoolMode::Max)  // −1 exactly where no query sees the key, as the kernels write it
+                    EXPECT_TRUE(argmax.lt(0).equal(valid.logical_not().expand_as(argmax))) << what;
                   auto [gq, gk, gw] = ops::pooled_index_score_tiled_bwd(weight, in.qI, in.kI, in.w, z, argmax, p,
                                                                         window, min_gap, relu, rows, 64);
                   const at::Tensor grads[] = {gq, gk, gw};
