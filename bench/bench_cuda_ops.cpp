@@ -4,10 +4,12 @@
 // IndexMem's pooled ops (teacher forward, student forward + backward) at T = 4K, 8K, 16K.
 // Each timing is the median of 10 runs after 2 warm-ups, read from the host clock after a device barrier; the
 // peak is the caching allocator's most bytes allocated at once above those allocated before. At the smallest
-// T every line also carries its relative error ‖out − ref‖ / ‖ref‖ against the formula in float64, so a fast
-// wrong kernel cannot pass unseen (a bf16 kernel should sit near the bf16 formula's own error, ~1e-3..1e-2).
+// T (if at most 4096: beyond, the float64 formula's T×T tensors take tens of GB) every line also carries its
+// relative error ‖out − ref‖ / ‖ref‖ against the formula in float64, so a fast wrong kernel cannot pass unseen
+// (a bf16 kernel should sit near the bf16 formula's own error, ~1e-3..1e-2).
 // Prints JSON lines; scripts/gpu_check.sh turns them and the peer's into ratios.
-// Usage: bench_cuda_ops [T ...]   (default: 1024 4096 8192)
+// Usage: bench_cuda_ops [--only retention_attention|retention_sum|pooled] [T ...]   (T default: 1024 4096 8192;
+// the lengths are retention_attention's; --only runs one group, e.g. under a profiler)
 #include <ATen/Context.h>
 #include <ATen/ops/log_sigmoid.h>
 #include <ATen/ops/isfinite.h>
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -193,11 +196,33 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_cuda_ops: the CUDA module lacks kvbound_cuda_synchronize / kvbound_cuda_memory\n");
     return 2;
   }
+  std::string only;
+  int first = 1;
+  if (argc > 2 && std::string(argv[1]) == "--only") {
+    only = argv[2];
+    first = 3;
+    if (only != "retention_attention" && only != "retention_sum" && only != "pooled") {
+      std::fprintf(stderr, "bench_cuda_ops: --only takes retention_attention, retention_sum or pooled; got '%s'\n",
+                   only.c_str());
+      return 2;
+    }
+  }
   std::vector<int64_t> lengths;
-  for (int i = 1; i < argc; ++i) lengths.push_back(std::stoll(argv[i]));
+  for (int i = first; i < argc; ++i) {
+    char* end = nullptr;
+    lengths.push_back(std::strtoll(argv[i], &end, 10));
+    if (*end != '\0' || lengths.back() <= 0) {
+      std::fprintf(stderr, "bench_cuda_ops: '%s' is not a sequence length\n", argv[i]);
+      return 2;
+    }
+  }
   if (lengths.empty()) lengths = {1024, 4096, 8192};
-  for (std::size_t i = 0; i < lengths.size(); ++i) bench_attention(lengths[i], i == 0);
-  for (const int64_t T : {4096, 32768}) bench_retention_sum(T, T == 4096);
-  for (const int64_t T : {4096, 8192, 16384}) bench_pooled(T, T <= 8192);  // naive at 16K: ~34 GB per T×T tensor
+  const auto runs = [&](const char* group) { return only.empty() || only == group; };
+  if (runs("retention_attention"))
+    for (std::size_t i = 0; i < lengths.size(); ++i) bench_attention(lengths[i], i == 0 && lengths[i] <= 4096);
+  if (runs("retention_sum"))
+    for (const int64_t T : {4096, 32768}) bench_retention_sum(T, T == 4096);
+  if (runs("pooled"))
+    for (const int64_t T : {4096, 8192, 16384}) bench_pooled(T, T <= 8192);  // naive at 16K: ~34 GB per T×T tensor
   return 0;
 }

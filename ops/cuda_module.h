@@ -1,7 +1,8 @@
 // The CUDA kernels live in a separate module (libkvbound_cuda.so) linked against libtorch_cuda. Loading
 // libtorch_cuda costs ~350 MB of resident memory even on a machine without a GPU, so CPU runs never
 // load it: programs call load_cuda_kernels() at start-up, which loads the module only when an NVIDIA
-// driver (libcuda.so.1) is present.
+// driver (libcuda.so.1) is present. It must run before the process's first autograd or device query:
+// ATen picks its CUDA hooks once, and a process that did so without libtorch_cuda never sees a GPU.
 #pragma once
 #include <string>
 

@@ -26,7 +26,11 @@ c10::Device resolve_device(const std::string& spec, const std::string& where) {
   }
   std::string why;
   if (!load_cuda_kernels(&why)) reject("'" + spec + "' but CUDA is not available here: " + why);
-  if (!at::hasCUDA()) reject("'" + spec + "' but LibTorch sees no CUDA device on this machine");
+  // ATen picks its CUDA hooks once per process: if anything asked for them before the module brought
+  // libtorch_cuda in (a CPU backward does), CUDA stays invisible to this process even with a GPU present.
+  if (!at::hasCUDA())
+    reject("'" + spec + "' but LibTorch sees no CUDA device in this process (no GPU, or ATen ran before the " +
+           "CUDA module was loaded: call kvbound::load_cuda_kernels() first, ops/cuda_module.h)");
   const auto count = static_cast<std::int64_t>(at::getNumGPUs());
   if (index >= count)
     reject("'" + spec + "' but this machine has " + std::to_string(count) + " CUDA device(s)");

@@ -11,6 +11,11 @@
 # Usage: scripts/gpu_check.sh OUT_DIR [T ...]
 #   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", carry=[".whl"], timeout_s=570)
 #   (.whl/ from scripts/gpu_wheels.sh: the official TRIM-KV package for the training peer)
+# GPU_CHECK_MODE=diagnose runs, after the same build, what says why a kernel is wrong or slow instead of the tests
+# and benchmarks: compute-sanitizer's memcheck and racecheck (out-of-bounds accesses, shared-memory races of the
+# cp.async tile pipelines) over the kernel tests, and Nsight Compute (ncu, clocks left alone) on one launch of each
+# retention_attention kernel at T = 8192 and of each pooled kernel at T = 4096 (memcheck.txt, racecheck.txt,
+# ncu_*.txt). Sanitizer errors make the exit status 1.
 # OUT_DIR receives gpu_check.log (everything), device_tests.xml, ops.jsonl (kernel and naive), ops_flex.jsonl
 # (FlexAttention), decode.jsonl, train.jsonl and summary.md. The whole check keeps inside GPU_CHECK_SECONDS
 # (default 540, under the device call's 570 s): each stage after the build runs under `timeout` with its own cap,
@@ -60,6 +65,40 @@ cmake --build "$build" -j "$(nproc)" --target kvbound kvbound_device_tests bench
   -- -k 0 >"$build/build.log" 2>&1 || {
   cp "$build/build.log" "$out/build.log"; grep -E "error:|FAILED:" "$build/build.log" | head -40
   echo "gpu_check: build failed"; exit 1; }
+
+if [ "${GPU_CHECK_MODE:-check}" = diagnose ]; then
+  tool() { command -v "$1" || ls /usr/local/cuda/bin/"$1" /opt/nvidia/nsight-compute/*/"$1" 2>/dev/null | head -1; }
+  sanitizer=$(tool compute-sanitizer)
+  ncu=$(tool ncu)
+  kernel_tests='RmsNormOp.Cuda*:RetentionAttentionCuda.*:RetentionSumCuda.*:PooledOpsCuda.*'
+  for check in memcheck racecheck; do
+    stage "compute-sanitizer --tool $check on the kernel tests"
+    if [ -z "$sanitizer" ]; then echo "gpu_check: no compute-sanitizer here"; status=1; continue; fi
+    bounded 150 "$sanitizer" --tool "$check" --error-exitcode 3 --print-limit 20 "$build"/tests/kvbound_device_tests \
+      --gtest_filter="$kernel_tests" >"$out/$check.txt" 2>&1 || status=1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|\[  (PASSED|FAILED|SKIPPED) " "$out/$check.txt"
+  done
+  if [ -z "$ncu" ]; then
+    echo "gpu_check: no ncu here"
+    status=1
+  else
+    profile() {  # NAME SKIP COUNT REGEX BENCH_ARGS...: ncu's detailed sections of COUNT launches after SKIP
+      local name=$1 skip=$2 count=$3 regex=$4
+      shift 4
+      stage "ncu: $name"
+      bounded 120 "$ncu" --clock-control none --kernel-name-base demangled -k "regex:$regex" --launch-skip "$skip" \
+        --launch-count "$count" --set detailed "$build"/bench/bench_cuda_ops "$@" >"$out/ncu_$name.txt" 2>&1 || status=1
+      grep -E "_kernel<|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy" \
+        "$out/ncu_$name.txt" | head -40
+    }
+    # The forward's 12 timed launches come first; the first forward + backward then launches forward, dQ, dK/dV.
+    profile retention_attention 12 3 '(query_rows|key_rows)_kernel<c10::BFloat16, 128' --only retention_attention 8192
+    profile pooled_importance 0 2 '(row_lse|key_pool)_kernel' --only pooled
+    profile pooled_index_score 0 1 'index_score_kernel' --only pooled
+  fi
+  stage "done (exit $status)"
+  exit $status
+fi
 
 stage "CUDA tests (kvbound_device_tests)"
 # Every test's RUN line is printed (a crash then names its test); failures name the op, dtype, device and values.
