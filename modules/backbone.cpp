@@ -25,7 +25,9 @@
 #include "base/content_hash.h"
 #include "base/errors.h"
 #include "checkpoints/model_loader.h"
+#include "ops/gated_activation.h"
 #include "ops/rms_norm.h"
+#include "ops/rope.h"
 
 namespace kvbound {
 
@@ -52,11 +54,6 @@ at::Tensor rope_inverse_frequencies(const ModelConfig& c) {
 }
 
 namespace {
-
-at::Tensor rotate_half(const at::Tensor& x) {
-  const std::int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
 
 // The rotation angles [..., D] (float32) of RoPE at `positions` [...]: each frequency twice, for rotate_half.
 at::Tensor rope_angles(const at::Tensor& positions, const at::Tensor& inv_freq) {
@@ -106,13 +103,13 @@ class TensorTable {
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
   const at::Tensor emb = rope_angles(positions, inv_freq);  // [T, D]
-  return x * emb.cos().to(x.scalar_type()) + rotate_half(x) * emb.sin().to(x.scalar_type());
+  return ops::rope_rotate(x, emb.cos().to(x.scalar_type()), emb.sin().to(x.scalar_type()));
 }
 
 at::Tensor undo_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
   const at::Tensor emb = rope_angles(positions, inv_freq);  // [..., N, D]
   const at::Tensor k = x.to(at::kFloat);
-  return k * emb.cos() - rotate_half(k) * emb.sin();  // the rotation by −θ of apply_rope's +θ
+  return k * emb.cos() - ops::rotate_half(k) * emb.sin();  // the rotation by −θ of apply_rope's +θ
 }
 
 std::unique_ptr<Backbone> Backbone::load(const std::string& path, at::ScalarType dtype, c10::Device device) {
@@ -270,8 +267,8 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   }
   call.q_pre_rope = q;
   call.k_pre_rope = k;
-  call.q = q * cos + rotate_half(q) * sin;
-  call.k = k * cos + rotate_half(k) * sin;
+  call.q = ops::rope_rotate(q, cos, sin);
+  call.k = ops::rope_rotate(k, cos, sin);
   if (hook && hook->replaces_attention()) {
     hook->before_attention(call, cache);
     call.output = hook->attend(call);
@@ -306,7 +303,9 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
     const Layer& L = layers_[static_cast<std::size_t>(i)];
     h = h + attention(L, i, h, positions, cos, sin, cache, hook);
     const at::Tensor x = rms_norm(h, L.post_norm);
-    h = h + at::linear(apply_activation(config_.hidden_act, at::linear(x, L.gate_proj)) * at::linear(x, L.up_proj), L.down_proj);
+    const at::Tensor gate = at::linear(x, L.gate_proj), up = at::linear(x, L.up_proj);
+    const at::Tensor gated = config_.hidden_act == "silu" ? ops::silu_gate(gate, up) : apply_activation(config_.hidden_act, gate) * up;
+    h = h + at::linear(gated, L.down_proj);
   }
   cache.advance(T);
   return rms_norm(h, final_norm_);

@@ -39,6 +39,4 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 TORCH_LIBRARY_FRAGMENT(kvbound, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kvbound, CPU, m) { m.impl("rms_norm", &kvbound::ops::rms_norm_reference); }
-
 TORCH_LIBRARY_IMPL(kvbound, Autograd, m) { m.impl("rms_norm", &kvbound::ops::rms_norm_autograd); }

@@ -1,7 +1,7 @@
 // kvbound::rms_norm(x, weight, eps): y = weight * (x / sqrt(mean(x^2) + eps)), statistics in float32 and
-// the normalised value cast back to x's dtype before scaling (transformers' LlamaRMSNorm, bit for bit
-// on CPU). A dispatcher op: the CPU kernel is the ATen composition, the CUDA kernel a fused one-pass
-// row reduction (ops/rms_norm_cuda.cu) checked against it.
+// the normalised value cast back to x's dtype before scaling (transformers' LlamaRMSNorm). A dispatcher op:
+// fused row kernels on the CPU for float32 and bfloat16 (ops/rms_norm_cpu.cpp; other dtypes: the ATen
+// composition, bit for bit transformers') and on CUDA (ops/rms_norm_cuda.cu), both checked against it.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -68,6 +68,9 @@ Batch next_token_batch(const at::Tensor& tokens) {
 // Chunked prefill of `prefill` tokens, then token-by-token decode, through the engine's hook; every logit.
 at::Tensor run(const std::string& name, std::int64_t budget, std::int64_t chunk, std::int64_t prefill,
                std::shared_ptr<const LatentMemory> memory) {
+  // As `kvbound eval` runs it: without autograd (the memory's trainable weights would otherwise make every later
+  // activation carry a gradient, and the backbone take its differentiable paths).
+  const at::NoGradGuard no_grad;
   const test::TinyModel& f = tiny_model();
   auto policy = make_policy(name, policy_config({"snapkv.window=6"}), test::tiny_learned_modules(std::move(memory)), 3);
   BudgetedHook hook(*policy, budget);

@@ -1,0 +1,13 @@
+// SwiGLU's gate: silu(gate) ⊙ up, the product the Llama-family MLP sends through its down projection.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace kvbound::ops {
+
+// silu(gate) * up for same-shape tensors. On the CPU in float32 or bfloat16 without a gradient to carry: one
+// fused vectorized pass (ops/gated_activation.cpp) with the formula's rounding steps (silu rounded to the dtype,
+// then the product); its exp is ops/cpu_vector.h's (within 1 ulp of the exact one), so results agree with ATen's
+// silu to float32 rounding, not bit for bit. Otherwise at::silu(gate) * up (autograd included).
+at::Tensor silu_gate(const at::Tensor& gate, const at::Tensor& up);
+
+}  // namespace kvbound::ops

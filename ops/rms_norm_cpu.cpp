@@ -1,0 +1,93 @@
+// The CPU kernel of kvbound::rms_norm for float32 and bfloat16: one pass per row computes the mean square in
+// float32, a second writes weight * cast<T>(x * rsqrt(ms + eps)), vectorized (ops/cpu_vector.h); the ATen
+// composition (ops/rms_norm.h) made ~8 passes over the row with a float32 copy in between. Other dtypes take
+// that composition. The rounding steps are the formula's; only the order in which the squares are summed
+// differs (a fixed one here), so results agree to float32 rounding (tests/test_ops.cpp holds it to the
+// formula's own error, and a row's result to be the same wherever the row sits).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/cpu_vector.h"
+#include "ops/rms_norm.h"
+
+namespace kvbound::ops {
+namespace {
+
+// Σ x_i² in float32 in a fixed order, whatever the ISA or the row's address: lane j of 16 sums x_j, x_j+16, …,
+// then the lanes are added pairwise (a reduction left to the vectorizer would change order with alignment).
+template <typename Load>
+inline float sum_of_squares(int64_t cols, Load&& load) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  const int64_t full = cols - cols % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes)
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = load(i + j);
+      lane[j] += v * v;
+    }
+  for (int64_t i = full; i < cols; ++i) {
+    const float v = load(i);
+    lane[i - full] += v * v;
+  }
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
+  return lane[0];
+}
+
+KVBOUND_VECTOR_CLONES void rms_norm_rows_float(const float* x, const float* w, float* y, int64_t rows, int64_t cols,
+                                               float eps) {
+  for (int64_t r = 0; r < rows; ++r, x += cols, y += cols) {
+    const float sum = sum_of_squares(cols, [x](int64_t i) { return x[i]; });
+    const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) y[i] = w[i] * (x[i] * inv_rms);
+  }
+}
+
+KVBOUND_VECTOR_CLONES void rms_norm_rows_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows,
+                                              int64_t cols, float eps) {
+  for (int64_t r = 0; r < rows; ++r, x += cols, y += cols) {
+    const float sum = sum_of_squares(cols, [x](int64_t i) { return cpu::bf16_to_float(x[i]); });
+    const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+    // normed rounds to bfloat16 before the weight multiplies it, as in the formula.
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) {
+      const float normed = cpu::bf16_to_float(cpu::float_to_bf16(cpu::bf16_to_float(x[i]) * inv_rms));
+      y[i] = cpu::float_to_bf16(cpu::bf16_to_float(w[i]) * normed);
+    }
+  }
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::ScalarType dtype = x.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16) || weight.scalar_type() != dtype || x.dim() == 0)
+    return rms_norm_reference(x, weight, eps);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "kvbound::rms_norm: weight must be [",
+              x.size(-1), "]; got ", weight.sizes());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t cols = xc.size(-1), rows = cols == 0 ? 0 : xc.numel() / cols;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));  // ~64 KiB of float32 per task
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    if (dtype == at::kFloat)
+      rms_norm_rows_float(xc.const_data_ptr<float>() + begin * cols, wc.const_data_ptr<float>(),
+                          y.mutable_data_ptr<float>() + begin * cols, end - begin, cols, eps_f);
+    else
+      rms_norm_rows_bf16(static_cast<const uint16_t*>(xc.const_data_ptr()) + begin * cols,
+                         static_cast<const uint16_t*>(wc.const_data_ptr()),
+                         static_cast<uint16_t*>(y.mutable_data_ptr()) + begin * cols, end - begin, cols, eps_f);
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace kvbound::ops
+
+TORCH_LIBRARY_IMPL(kvbound, CPU, m) { m.impl("rms_norm", &kvbound::ops::rms_norm_cpu); }
