@@ -36,7 +36,7 @@ ContinuationReference continuation_reference(const Backbone& model, const std::v
   const at::Tensor hidden = model.forward_hidden(ref.tokens.unsqueeze(0), cache)[0];
   // Only the scored rows go through the vocabulary projection (never T x V at once).
   const at::Tensor rows = hidden.narrow(0, settings.score_from - 1, T - settings.score_from);
-  ref.full_logprobs = at::log_softmax(model.logits(rows), -1);
+  ref.full_logprobs = at::log_softmax(model.logits(rows), -1, at::kFloat);
   return ref;
 }
 
@@ -81,7 +81,7 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   totals.decode_seconds += seconds_since(t0);
   totals.decode_tokens += T - 1 - settings.prefill_len;
 
-  const at::Tensor logprobs = at::log_softmax(model.logits(at::cat(rows, 0)), -1);  // [S, V]
+  const at::Tensor logprobs = at::log_softmax(model.logits(at::cat(rows, 0)), -1, at::kFloat);  // [S, V]
   const at::Tensor targets = ref.tokens.narrow(0, settings.score_from, T - settings.score_from).to(logprobs.device());
   const at::Tensor full = ref.full_logprobs;
   totals.nll += -logprobs.gather(1, targets.unsqueeze(1)).sum().item<double>();

@@ -311,6 +311,6 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
   return rms_norm(h, final_norm_);
 }
 
-at::Tensor Backbone::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_).to(at::kFloat); }
+at::Tensor Backbone::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
 
 }  // namespace kvbound

@@ -81,7 +81,8 @@ class Backbone {
   // accelerator (the model's own argmax, fed back while decoding) are not checked, so decoding on the device
   // makes no host synchronisation per token.
   at::Tensor forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook = nullptr) const;
-  // Logits [B, T, vocab] in float32 for hidden states from forward_hidden.
+  // Logits [B, T, vocab] for hidden states from forward_hidden, in the compute dtype (as transformers returns
+  // them; a float32 copy of bf16 logits costs more than any consumer's upcast: log_softmax(x, -1, kFloat)).
   at::Tensor logits(const at::Tensor& hidden) const;
   // The output projection [vocab, hidden] (the embedding when tied): blockwise losses form logits from it.
   const at::Tensor& lm_head() const { return lm_head_; }
