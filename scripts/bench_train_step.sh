@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One training update on the default model (SmolLM2-135M, T = 512, B = 2, random tokens) of TRIM-KV (gate width
 # 128, M_train 32) and IndexMem stage 1 (the indexer, DESIGN.md defaults) in kvbound and in PyTorch
-# (bench/peers/trimkv_step_cpu.py, bench/peers/indexmem_step_cpu.py: the same formulas with transformers'
+# (bench/peers/trimkv_step_cpu.py, bench/peers/indexmem_step.py: the same formulas with transformers'
 # model), each in float32 and in bfloat16 compute (the trained modules and the losses float32 in both), same
 # threads, one after the other: JSON lines and the ratio at each dtype. Each prints its update's loss on the
 # same tokens, a check that both compute the same step. Beside them, the time of the matrix products each update
@@ -17,13 +17,13 @@ T=512
 B=2
 for method in trimkv indexmem; do
   case $method in
-    trimkv) keys=(trimkv.gate_hidden=128 trimkv.budget=32) peer_args=(128 32) ;;
-    indexmem) keys=(indexmem.d_index=32 indexmem.window=32) peer_args=(32 32) ;;
+    trimkv) keys=(trimkv.gate_hidden=128 trimkv.budget=32) peer_args=(128 32) peer_script=bench/peers/trimkv_step_cpu.py ;;
+    indexmem) keys=(indexmem.d_index=32 indexmem.window=32) peer_args=(32 32) peer_script=bench/peers/indexmem_step.py ;;
   esac
   for dtype in float32 bfloat16; do
     ours=$("$build"/bench/bench_train_step "$model" "$method" "$T" "$B" "$steps" cpu "$dtype" \
       model.threads="$threads" "${keys[@]}" | tail -n 1)
-    peer=$(.venv/bin/python "bench/peers/${method}_step_cpu.py" "$model" "$T" "$B" "$steps" "$threads" \
+    peer=$(.venv/bin/python "$peer_script" "$model" "$T" "$B" "$steps" "$threads" \
       "${peer_args[@]}" "$dtype" 2>/dev/null | tail -n 1)
     printf '%s\n%s\n' "$ours" "$peer"
     .venv/bin/python - "$ours" "$peer" <<'PY'

@@ -5,8 +5,8 @@
 # (kvbound_device_tests: each kernel against its reference, and the CLI on stories260K on CUDA against the CPU in
 # float32 and bfloat16), then the ops benchmark beside its peers measured in the same run (FlexAttention with the
 # same score_mod, and the naive formula), decode at 32K context on a random-weight model with Llama-3.2-1B's shapes
-# (full vs trimkv and h2o at M = 1024), a training update there against the official TRIM-KV package's, and prints a
-# summary table last.
+# (full vs trimkv and h2o at M = 1024), training updates there against their peers (TRIM-KV: the official package's;
+# IndexMem stage 1: bench/peers/indexmem_step.py), and prints a summary table last.
 #
 # Usage: scripts/gpu_check.sh OUT_DIR [T ...]
 #   through the device tool:  run(command="scripts/gpu_check.sh \"$OUT\"", carry=[".whl"], timeout_s=570)
@@ -129,12 +129,16 @@ stage "training: one TRIM-KV update at T = 8192, B 1, bf16 (gate width 512, M_tr
 bounded 60 "$build"/bench/bench_train_step "$model_dir" trimkv 8192 1 4 cuda bfloat16 trimkv.gate_hidden=512 trimkv.budget=512 |
   tee "$out/train.jsonl" || status=1
 bounded 60 "$build"/bench/bench_train_step "$model_dir" indexmem 8192 1 4 cuda bfloat16 | tee -a "$out/train.jsonl" || status=1
-# The official package's update (scripts/gpu_wheels.sh, carried): its first step compiles FlexAttention
-# (65 s on the H200), so it gets 150 s.
+# The peers run with the carried wheels (scripts/gpu_wheels.sh: the official TRIM-KV package and the transformers
+# it pins). The official package's update compiles FlexAttention in its first step (65 s on the H200), so it gets
+# 150 s; the IndexMem peer is bench/peers/indexmem_step.py, the same formulas as the CPU comparison's, on CUDA.
 if ls .whl/trimkv-*.whl >/dev/null 2>&1; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --target "${TMPDIR:-/tmp}/kvbound_peer_site" .whl/*.whl &&
-    PYTHONPATH="${TMPDIR:-/tmp}/kvbound_peer_site" PYTHONUNBUFFERED=1 bounded 150 "$python" bench/peers/official_trimkv_step.py 8192 |
+  peer_site=${TMPDIR:-/tmp}/kvbound_peer_site
+  "$python" -m pip install -q --no-index --no-deps --no-compile --target "$peer_site" .whl/*.whl || status=1
+  PYTHONPATH="$peer_site" PYTHONUNBUFFERED=1 bounded 150 "$python" bench/peers/official_trimkv_step.py 8192 |
     tee -a "$out/train.jsonl" || status=1
+  PYTHONPATH="$peer_site" PYTHONUNBUFFERED=1 bounded 90 "$python" bench/peers/indexmem_step.py "$model_dir" \
+    8192 1 4 1 32 32 bfloat16 cuda | tee -a "$out/train.jsonl" || status=1
 else
   echo "gpu_check: no .whl/ carried: the official TRIM-KV peer cannot run (scripts/gpu_wheels.sh, then carry .whl)"
   status=1
@@ -167,14 +171,21 @@ train = out / "train.jsonl"
 steps = [json.loads(l) for l in train.read_text().splitlines() if l.startswith("{")] if train.exists() else []
 ours = {r["method"]: r for r in steps if r.get("impl") == "kvbound"}
 peer = next((r for r in steps if r.get("peer") and "tokens_per_s" in r), None)
+indexmem_peer = next((r for r in steps if r.get("impl") == "pytorch" and r.get("method") == "indexmem"), None)
 if steps:
-    print("\n| training update (T 8192, B 1, bf16) | ms | tokens/s | vs the official TRIM-KV package |")
+    print("\n| training update (T 8192, B 1, bf16) | ms | tokens/s | vs its peer |")
     print("|---|---|---|---|")
     for name, r in ours.items():
-        vs = f"{r['tok_s'] / peer['tokens_per_s']:.2f}x" if peer and name == "trimkv" else "—"
+        vs = "—"
+        if peer and name == "trimkv":
+            vs = f"{r['tok_s'] / peer['tokens_per_s']:.2f}x the official TRIM-KV package"
+        if indexmem_peer and name == "indexmem":
+            vs = f"{r['tok_s'] / indexmem_peer['tok_s']:.2f}x PyTorch (bench/peers/indexmem_step.py)"
         print(f"| kvbound {name} | {r['ms_per_update']:.0f} | {r['tok_s']:.0f} | {vs} |")
     if peer:
-        print(f"| official trimkv 0.1.5 | {peer['median_ms']:.0f} | {peer['tokens_per_s']:.0f} | 1.00x |")
+        print(f"| official trimkv 0.1.5 | {peer['median_ms']:.0f} | {peer['tokens_per_s']:.0f} | |")
+    if indexmem_peer:
+        print(f"| PyTorch IndexMem stage 1 | {indexmem_peer['ms_per_update']:.0f} | {indexmem_peer['tok_s']:.0f} | |")
 decode = out / "decode.jsonl"
 runs = [json.loads(l) for l in decode.read_text().splitlines() if l.startswith("{")] if decode.exists() else []
 full = next((r for r in runs if r["policy"] == "full"), None)

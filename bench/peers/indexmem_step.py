@@ -1,14 +1,16 @@
-"""CPU peer for kvbound's IndexMem stage-1 update (bench/bench_train_step METHOD indexmem, same model, shapes and
-threads): the formulas of tests/golden/make_indexmem_golden.py (DESIGN.md, defaults d_I 32, one key per KV head,
-RoPE on, mean pooling over the row's last `window` queries, min_gap 0) written with plain PyTorch the way one
-would on a CPU — transformers' model from the same GGUF as the frozen teacher (forward, no grad; forward hooks keep
+"""PyTorch peer for kvbound's IndexMem stage-1 update (bench/bench_train_step METHOD indexmem, same model, shapes,
+device and threads): the formulas of tests/golden/make_indexmem_golden.py (DESIGN.md, defaults d_I 32, one key per KV head,
+RoPE on, mean pooling over the row's last `window` queries, min_gap 0) written with plain PyTorch — transformers'
+model from the same checkpoint as the frozen teacher (forward, no grad; forward hooks keep
 each layer's normalised input and pre-RoPE q/k), the teacher importance from the window's attention rows only
 (window × L logits, never L × L), the indexer's pooled scores, KL(p_T ‖ p_S) per (row, KV head) averaged over
 layers, backward, gradient clipping and fused AdamW on the indexers. Random tokens from torch.manual_seed(0), as
 bench_train_step draws them; every position but the last has a target, so each row has L = T − 1 real tokens.
 DTYPE (float32, bfloat16) is the frozen model's compute dtype; the indexer and the loss stay float32, as in kvbound.
-Prints one JSON line.
-Usage: indexmem_step_cpu.py GGUF T B [steps=5] [threads=2] [d_index=32] [window=32] [dtype=float32]"""
+MODEL is a GGUF file (the CPU comparison, scripts/bench_train_step.sh) or a Hugging Face folder (the GPU check's
+random Llama-3.2-1B shapes, scripts/gpu_check.sh). Each update ends with its loss read on the host, as
+bench_train_step's does, so the host clock times the device's work too. Prints one JSON line.
+Usage: indexmem_step.py MODEL T B [steps=5] [threads=2] [d_index=32] [window=32] [dtype=float32] [device=cpu]"""
 import math
 import os
 import sys
@@ -27,7 +29,7 @@ def rotate_half(x):
 
 def rope(x, positions, theta):
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     emb = (positions.float()[:, None] * inv_freq[None, :]).repeat(1, 2)
     return x * emb.cos() + rotate_half(x) * emb.sin()
 
@@ -36,23 +38,28 @@ def rms_unweighted(x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32, dtype="float32"):
+def main(model_path, T, B, steps=5, threads=2, d_index=32, window=32, dtype="float32", device="cpu"):
     torch.set_num_threads(threads)
-    folder, name = os.path.split(os.path.abspath(gguf_path))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
+    if os.path.isdir(model_path):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    else:
+        folder, name = os.path.split(os.path.abspath(model_path))
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     model.requires_grad_(False)
     cfg = model.config
-    D = cfg.hidden_size // cfg.num_attention_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     Hq, Hkv, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
     G = Hq // Hkv
-    theta = cfg.rope_parameters["rope_theta"]  # transformers 5: rope settings live in rope_parameters
-    torch.manual_seed(0)
+    # transformers 5 keeps rope settings in rope_parameters, 4.x (the GPU check's peer site) in rope_theta
+    theta = cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None) else cfg.rope_theta
+    torch.manual_seed(0)  # drawn on the CPU, then moved: the same initial indexers on every device
     indexers = []
     for _ in range(cfg.num_hidden_layers):
-        wq = torch.nn.Parameter(torch.randn(d_index, D) * 0.02)
-        wk = torch.nn.Parameter(torch.randn(Hkv * d_index, hidden) * 0.02)
-        ww = torch.nn.Parameter(torch.randn(Hq, hidden) * 0.02)
-        bw = torch.nn.Parameter(torch.zeros(Hq))
+        wq = torch.nn.Parameter((torch.randn(d_index, D) * 0.02).to(device))
+        wk = torch.nn.Parameter((torch.randn(Hkv * d_index, hidden) * 0.02).to(device))
+        ww = torch.nn.Parameter((torch.randn(Hq, hidden) * 0.02).to(device))
+        bw = torch.nn.Parameter(torch.zeros(Hq, device=device))
         indexers.append((wq, wk, ww, bw))
     params = [p for ix in indexers for p in ix]
     opt = torch.optim.AdamW([{"params": [p for ix in indexers for p in ix[:3]], "weight_decay": 0.01},
@@ -62,11 +69,11 @@ def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32, dtype="floa
         for module in (layer.input_layernorm, layer.self_attn.q_proj, layer.self_attn.k_proj):
             module.register_forward_hook(lambda _m, _i, out: captured.append(out.float()))
     torch.manual_seed(0)
-    ids = torch.randint(3, cfg.vocab_size, (B, T))
+    ids = torch.randint(3, cfg.vocab_size, (B, T)).to(device)
     L = T - 1  # real tokens per row (the last position has no target)
-    pos = torch.arange(L)
+    pos = torch.arange(L, device=device)
     start = (pos).clamp(min=L - window)  # Ω(t) = [max(t, L − window), L): the window's queries at or after t
-    s_idx = torch.arange(L - window, L)
+    s_idx = torch.arange(L - window, L, device=device)
     in_omega = s_idx[:, None] >= start[None, :]  # [window, L]
     count = in_omega.sum(0).clamp(min=1).float()
 
@@ -74,7 +81,7 @@ def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32, dtype="floa
         opt.zero_grad(set_to_none=True)
         captured.clear()
         with torch.no_grad():
-            cos, sin = model.model.rotary_emb(torch.empty(0), pos.unsqueeze(0))
+            cos, sin = model.model.rotary_emb(torch.empty(0, device=device), pos.unsqueeze(0))
             model.model(ids[:, :L])
         total = 0.0
         for li, (wq, wk, ww, bw) in enumerate(indexers):
@@ -102,8 +109,8 @@ def main(gguf_path, T, B, steps=5, threads=2, d_index=32, window=32, dtype="floa
         opt.step()
         return loss.item()
 
-    time_updates(update, "indexmem", T, B, steps, threads, dtype)
+    time_updates(update, "indexmem", T, B, steps, threads, dtype, device)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:8]), *sys.argv[8:9])
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:8]), *sys.argv[8:10])
