@@ -12,9 +12,12 @@ class Random final : public EvictionPolicy {
  public:
   explicit Random(std::uint64_t seed) : generator_(at::detail::createCPUGenerator(seed)) {}
   at::Tensor score(const PolicyView& view) override {
-    // Drawn on the CPU (one generator, the same draws on every device), then moved to the cache's device.
+    // Drawn on the CPU (one generator, the same draws on every device), then moved to the cache's device from
+    // pinned memory without blocking: a copy from pageable memory would make the host wait at every eviction.
     const at::Tensor positions = view.cache->positions(view.layer);
-    return at::rand(positions.sizes(), generator_, at::TensorOptions().dtype(at::kFloat)).to(positions.device());
+    const at::Tensor draws = at::rand(positions.sizes(), generator_, at::TensorOptions().dtype(at::kFloat));
+    if (positions.is_cpu()) return draws;
+    return draws.pin_memory().to(positions.device(), /*non_blocking=*/true);
   }
 
  private:
