@@ -1,7 +1,7 @@
 // Decoding on CUDA makes no host synchronisation per token: with c10's sync debug mode at "error" (any
 // device-to-host copy, .item(), pageable host-to-device copy or synchronisation throws), every policy's budgeted
-// decode of greedy tokens fed back on the device (as bench_decode and the evaluation's decode run it) goes 12
-// steps past its budget. Runs where the CUDA module loads and a CUDA device exists (scripts/gpu_check.sh on the
+// decode of greedy tokens fed back on the device (through BudgetedHook, as the evaluation runs it: "+mem" writes
+// and reads its latent memory) goes 12 steps past its budget. Runs where the CUDA module loads and a CUDA device exists (scripts/gpu_check.sh on the
 // GPU machine); skipped elsewhere.
 #include <ATen/Context.h>
 #include <ATen/ops/argmax.h>
@@ -16,6 +16,7 @@
 
 #include "modules/backbone.h"
 #include "modules/budgeted_cache.h"
+#include "modules/memory_cache.h"
 #include "modules/indexer.h"
 #include "modules/latent_memory.h"
 #include "modules/policies/registry.h"
@@ -71,21 +72,22 @@ TEST(DecodeOnCuda, NoHostSyncPerTokenUnderAnyPolicy) {
     SCOPED_TRACE(name);
     auto policy = make_policy(name, policy_config(), modules);
     if (policy->needs_hindsight()) continue;  // the oracle is given every later query's attention beforehand
-    BudgetedCache budgeted(*policy, budget);
+    BudgetedHook hook(*policy, budget);  // with the policy's latent memory for "+mem", as the evaluation runs it
     KVCache cache = model->make_cache();
     at::Tensor hidden;
     for (int64_t s = 0; s < context; s += chunk)
-      hidden = model->forward_hidden(prompt.narrow(1, s, std::min(chunk, context - s)), cache, &budgeted);
+      hidden = model->forward_hidden(prompt.narrow(1, s, std::min(chunk, context - s)), cache, hook.get());
     at::Tensor next = at::argmax(model->logits(hidden.select(1, -1)), -1).view({batch, 1});
     sync_debug(2);
     try {
       for (int64_t i = 0; i < steps; ++i)
-        next = at::argmax(model->forward(next, cache, &budgeted).select(1, -1), -1).view({batch, 1});
+        next = at::argmax(model->forward(next, cache, hook.get()).select(1, -1), -1).view({batch, 1});
     } catch (const std::exception& e) {
       ADD_FAILURE() << "a host synchronisation while decoding: " << e.what();
     }
     sync_debug(0);
     if (policy->bounded()) EXPECT_LE(cache.size(0), budget + 1);
+    if (policy->memory()) EXPECT_GT(hook.peak_kv_bytes(), hook.budgeted().peak_kv_bytes());  // the memory was written
   }
 }
 
