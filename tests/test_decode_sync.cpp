@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_available.h"
 #include "modules/backbone.h"
 #include "modules/budgeted_cache.h"
 #include "modules/memory_cache.h"
@@ -29,9 +30,7 @@ namespace kvbound {
 namespace {
 
 TEST(DecodeOnCuda, NoHostSyncPerTokenUnderAnyPolicy) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   const auto sync_debug = reinterpret_cast<void (*)(int)>(cuda_module_symbol("kvbound_cuda_sync_debug"));
   ASSERT_NE(sync_debug, nullptr) << "the CUDA module lacks kvbound_cuda_sync_debug";
   struct SyncDebugOff {

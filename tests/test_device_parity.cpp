@@ -4,7 +4,6 @@
 // CPU's KL, top-1 agreement and NLL in float32, and in bfloat16 lands as near the float32 run as the CPU's bfloat16
 // run does; greedy `kvbound generate` writes the CPU's text in float32. Runs where the
 // CUDA module loads and a CUDA device exists (scripts/gpu_check.sh on the GPU machine); skipped elsewhere.
-#include <ATen/Context.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,9 +13,9 @@
 #include <string>
 
 #include "base/config.h"
+#include "cuda_available.h"
 #include "eval/results.h"
 #include "modules/policies/registry.h"
-#include "ops/cuda_module.h"
 #include "test_env.h"
 #include "tiny_cli_runs.h"
 #include "train/method_registry.h"
@@ -51,9 +50,7 @@ void expect_close(double cpu, double gpu, double rel, const std::string& what) {
 class DeviceParity : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+    if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   }
 };
 

@@ -10,7 +10,7 @@
 #include <ATen/ops/rsqrt.h>
 #include <gtest/gtest.h>
 
-#include "ops/cuda_module.h"
+#include "cuda_available.h"
 #include "ops/gated_activation.h"
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
@@ -123,9 +123,7 @@ TEST(RmsNormOp, GradientsFlowThroughTheOp) {
 }
 
 TEST(RmsNormOp, CudaKernelWithinTwiceThePlainError) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     const at::Tensor x64 = at::randn({257, 576}, at::kDouble) * 3;
     const at::Tensor w64 = at::randn({576}, at::kDouble);

@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_available.h"
 #include "ops/pooled_attention_importance.h"
-#include "ops/cuda_module.h"
 #include "ops/pooled_index_score.h"
 #include "ops/pooled_ops_tiled.h"
 #include "tests/counting_allocator.h"
@@ -539,9 +539,7 @@ TEST(PooledOpsTiled, TileMemoryIsAFewTiles) {
 // rounded inputs up to fp32 rounding, entry by entry (an invalid key's 0 exactly): a query window or gap off by
 // one row, or a tile missed at a ragged T, moves an entry by far more.
 TEST(PooledOpsCuda, ImportanceOnTensorCoresMatchesFloat32) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   at::manual_seed(15);
   for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf})
     for (const int64_t D : {64, 128})
@@ -569,9 +567,7 @@ TEST(PooledOpsCuda, ImportanceOnTensorCoresMatchesFloat32) {
 // Ω(t) whose score is the maximum (checked in float64: two queries may tie to fp32 rounding), and a key with an
 // empty Ω gets −inf.
 TEST(PooledOpsCuda, IndexScoreForwardOnTensorCoresMatchesFloat32) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   at::manual_seed(16);
   for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
     const double ulp = dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;  // relative spacing, an upper bound
@@ -619,9 +615,7 @@ TEST(PooledOpsCuda, IndexScoreForwardOnTensorCoresMatchesFloat32) {
 // On a GPU the ops dispatch to the tiled path (bf16 forwards at index dim 32 to the tensor-core kernels): the same
 // values and gradients as the CPU kernels, fp32 and bf16.
 TEST(PooledOpsCuda, MatchCpuKernels) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   at::manual_seed(14);
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     const double tol = dtype == at::kFloat ? 1e-4 : 2e-2;

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/cuda_module.h"
+#include "cuda_available.h"
 #include "ops/retention_attention.h"
 #include "ops/retention_sum.h"
 #include "tests/counting_allocator.h"
@@ -286,9 +286,7 @@ TEST(RetentionAttention, BlockedPathNeverAllocatesTimesSquared) {
 // Every output element of the backward has one writer with a fixed summation order: two runs agree bit for
 // bit (d log β included), on the tensor-core and the SIMT path.
 TEST(RetentionAttentionCuda, BackwardIsDeterministic) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   at::manual_seed(11);
   for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
     const AttentionInputs in = detached_copy(random_inputs(2, 8, 2, 517, 128, at::kFloat), dtype, at::kCUDA);
@@ -305,9 +303,7 @@ TEST(RetentionAttentionCuda, BackwardIsDeterministic) {
 }
 
 TEST(RetentionAttentionCuda, MatchesReference) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   at::manual_seed(10);
   // bf16/fp16 with D = 64 or 128 run the tensor-core kernels (T = 1, one partial tile, exactly one and two
   // full 64-row tiles, several tiles with a partial last one, GQA groups 1–4); fp32 and D = 200 / 24 the SIMT
@@ -350,9 +346,7 @@ TEST(RetentionAttentionCuda, MatchesReference) {
 }
 
 TEST(RetentionSumCuda, MatchesReference) {
-  std::string why;
-  if (!load_cuda_kernels(&why)) GTEST_SKIP() << why;
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (const std::string why = test::why_no_cuda(); !why.empty()) GTEST_SKIP() << why;
   at::manual_seed(11);
   for (const int64_t T : {1, 7, 256, 257, 1000}) {
     const at::Tensor exact_in = random_log_beta({2, 3, T}, at::kDouble).requires_grad_(true);
