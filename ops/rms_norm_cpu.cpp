@@ -18,32 +18,10 @@
 namespace kvbound::ops {
 namespace {
 
-// Σ x_i² in float32 in a fixed order, whatever the ISA or the row's address: lane j of 16 sums x_j, x_j+16, …,
-// then the lanes are added pairwise (a reduction left to the vectorizer would change order with alignment).
-template <typename Load>
-inline float sum_of_squares(int64_t cols, Load&& load) {
-  constexpr int kLanes = 16;
-  float lane[kLanes] = {};
-  const int64_t full = cols - cols % kLanes;
-  for (int64_t i = 0; i < full; i += kLanes)
-#pragma omp simd
-    for (int j = 0; j < kLanes; ++j) {
-      const float v = load(i + j);
-      lane[j] += v * v;
-    }
-  for (int64_t i = full; i < cols; ++i) {
-    const float v = load(i);
-    lane[i - full] += v * v;
-  }
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
-  return lane[0];
-}
-
 KVBOUND_VECTOR_CLONES void rms_norm_rows_float(const float* x, const float* w, float* y, int64_t rows, int64_t cols,
                                                float eps) {
   for (int64_t r = 0; r < rows; ++r, x += cols, y += cols) {
-    const float sum = sum_of_squares(cols, [x](int64_t i) { return x[i]; });
+    const float sum = cpu::fixed_order_sum(cols, [x](int64_t i) { return x[i] * x[i]; });
     const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
 #pragma omp simd
     for (int64_t i = 0; i < cols; ++i) y[i] = w[i] * (x[i] * inv_rms);
@@ -53,7 +31,10 @@ KVBOUND_VECTOR_CLONES void rms_norm_rows_float(const float* x, const float* w, f
 KVBOUND_VECTOR_CLONES void rms_norm_rows_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows,
                                               int64_t cols, float eps) {
   for (int64_t r = 0; r < rows; ++r, x += cols, y += cols) {
-    const float sum = sum_of_squares(cols, [x](int64_t i) { return cpu::bf16_to_float(x[i]); });
+    const float sum = cpu::fixed_order_sum(cols, [x](int64_t i) {
+      const float v = cpu::bf16_to_float(x[i]);
+      return v * v;
+    });
     const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
     // normed rounds to bfloat16 before the weight multiplies it, as in the formula.
 #pragma omp simd
