@@ -25,6 +25,7 @@
 #include "base/content_hash.h"
 #include "base/errors.h"
 #include "checkpoints/model_loader.h"
+#include "ops/causal_attention_cpu.h"
 #include "ops/gated_activation.h"
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
@@ -226,7 +227,12 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   const at::Tensor& values = cache.values(call.layer);
   // The CPU flash kernel's logsumexp carries no gradient: inputs that need one take the explicit path.
   const bool differentiable = at::GradMode::is_enabled() && (call.q.requires_grad() || keys.requires_grad());
-  if (call.wants_logsumexp && call.q.is_cpu() && !differentiable) {
+  if (ops::causal_attention_cpu_fits(call.q, keys, values)) {
+    // A bfloat16 prefill chunk on an AMX CPU (ops/causal_attention_cpu.h): the logsumexp comes with it.
+    at::Tensor lse;
+    call.output = ops::causal_attention_cpu(call.q, keys, values, call.wants_logsumexp ? &lse : nullptr);
+    if (call.wants_logsumexp) call.logsumexp = lse.unsqueeze(-1);
+  } else if (call.wants_logsumexp && call.q.is_cpu() && !differentiable) {
     // The kernel SDPA itself runs on the CPU (GQA included), called directly for the logsumexp it computes anyway;
     // it takes the mask additive, in the query's dtype. A private ATen op whose signature follows the pinned
     // torch (2.11): the test AttendOverCache.HandsOutTheLogsumexpOfWhatEachQueryAttended checks it still

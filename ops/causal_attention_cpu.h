@@ -1,0 +1,25 @@
+// Causal attention of a prefill chunk over the cache on the CPU in bfloat16, on the AMX tile units through
+// oneDNN's batch-reduce GEMM micro-kernels (ATen's cpublas::brgemm). SDPA's CPU flash kernel spends most of its
+// non-GEMM time per (head, 64-query block) — two oneDNN GEMM calls each, K and V read again for every query head
+// of a GQA group; here the G query heads of a group are one block of rows, K and V are packed once per KV
+// head and layer, and the softmax is one pass per row (a chunk's keys fit the buffer, so no online rescaling).
+// The result is SDPA's within bfloat16 rounding, not bit for bit (tests/test_ops.cpp bounds it by the plain
+// bfloat16 formula's error against float64).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace kvbound::ops {
+
+// Whether causal_attention_cpu takes these inputs: CPU bfloat16 q [B, Hq, T, D], keys and values [B, Hkv, N, D]
+// with unit stride along D, Hq a multiple of Hkv, D 64 or 128, T ≥ 64 queries (a prefill chunk: packing K and
+// V costs what one query row's attention does), N ≤ 4096 keys (the score buffer stays within the caches), no
+// gradient to carry, and a CPU whose oneDNN micro-kernels pack bfloat16 (AMX).
+bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values);
+
+// softmax(q·kᵀ/√D + causal mask)·v with the chunk's T queries the last T of the N positions (query t sees keys
+// 0 … N − T + t): output [B, Hq, T, D] (a transposed view of [B, T, Hq, D] storage, as SDPA's CPU kernel
+// returns it) and, where logsumexp is given, each row's log Σ exp over the keys it sees, float32 [B, Hq, T].
+at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                at::Tensor* logsumexp);
+
+}  // namespace kvbound::ops

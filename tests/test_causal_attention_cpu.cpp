@@ -1,0 +1,103 @@
+// The CPU bfloat16 prefill attention (ops/causal_attention_cpu.h): within a small multiple of the plain bfloat16
+// formula's error against float64, output and row logsumexp, for first chunks and chunks after cached keys, GQA
+// groups of 1 and 3, head dims 64 and 128, query counts that leave a partial block; and the backbone takes it
+// only where it fits. Skipped, saying so, on a CPU whose oneDNN does not pack bfloat16 (no AMX).
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/ones.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "ops/causal_attention_cpu.h"
+
+using namespace kvbound;
+
+namespace {
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// Scores [B, Hq, T, N] of q over keys repeated per group, at the given precision, with the chunk's causal mask
+// (query t sees keys 0 … N − T + t).
+at::Tensor masked_scores(const at::Tensor& q, const at::Tensor& keys, at::ScalarType precision) {
+  const int64_t G = q.size(1) / keys.size(1), T = q.size(2), N = keys.size(2);
+  at::Tensor scores = at::matmul(q.to(precision), keys.repeat_interleave(G, 1).to(precision).transpose(-1, -2)) /
+                      std::sqrt(static_cast<double>(q.size(3)));
+  const at::Tensor hidden = at::ones({T, N}, at::kBool).tril(N - T).logical_not();
+  return scores.masked_fill(hidden, -INFINITY);
+}
+
+at::Tensor attention_at(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::ScalarType precision) {
+  const int64_t G = q.size(1) / keys.size(1);
+  return at::matmul(at::softmax(masked_scores(q, keys, precision), -1),
+                    values.repeat_interleave(G, 1).to(precision));
+}
+
+bool amx_here() {
+  const at::Tensor probe = at::randn({1, 1, 64, 64}).to(at::kBFloat16);
+  return ops::causal_attention_cpu_fits(probe, probe, probe);
+}
+
+}  // namespace
+
+TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
+  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
+  at::manual_seed(11);
+  struct Shape { int64_t B, Hq, Hkv, T, cached, D; };
+  for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{1, 9, 3, 130, 0, 64}, Shape{2, 3, 3, 100, 37, 64},
+                        Shape{1, 4, 1, 64, 200, 128}, Shape{1, 8, 2, 200, 64, 128}}) {
+    const int64_t N = s.cached + s.T;
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+    const at::Tensor q = (at::randn({s.B, s.Hq, s.T, s.D}) * 2).to(at::kBFloat16);
+    const at::Tensor keys = at::randn({s.B, s.Hkv, N, s.D}, bf16), values = at::randn({s.B, s.Hkv, N, s.D}, bf16);
+    const std::string where = "B " + std::to_string(s.B) + " Hq " + std::to_string(s.Hq) + " Hkv " +
+                              std::to_string(s.Hkv) + " T " + std::to_string(s.T) + " cached " +
+                              std::to_string(s.cached) + " D " + std::to_string(s.D);
+    ASSERT_TRUE(ops::causal_attention_cpu_fits(q, keys, values)) << where;
+    at::Tensor lse;
+    const at::Tensor out = ops::causal_attention_cpu(q, keys, values, &lse);
+    ASSERT_EQ(out.sizes(), q.sizes()) << where;
+    ASSERT_EQ(out.scalar_type(), at::kBFloat16) << where;
+    const at::Tensor exact = attention_at(q, keys, values, at::kDouble);
+    const double plain_error = max_abs_diff(attention_at(q, keys, values, at::kBFloat16), exact);
+    EXPECT_LE(max_abs_diff(out, exact), 2 * plain_error) << where;
+    const at::Tensor exact_lse = at::logsumexp(masked_scores(q, keys, at::kDouble), -1);
+    const double plain_lse_error = max_abs_diff(at::logsumexp(masked_scores(q, keys, at::kBFloat16), -1), exact_lse);
+    ASSERT_EQ(lse.sizes(), exact_lse.sizes()) << where;
+    EXPECT_LE(max_abs_diff(lse, exact_lse), std::max(1e-4, 2 * plain_lse_error)) << where;
+    // Without the logsumexp, the same output.
+    EXPECT_TRUE(at::equal(ops::causal_attention_cpu(q, keys, values, nullptr), out)) << where;
+  }
+}
+
+// Strided keys and values (the cache's views of a larger buffer) and queries from a transposed projection.
+TEST(CausalAttentionCpu, ReadsStridedInputs) {
+  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
+  at::manual_seed(12);
+  const at::Tensor q = at::randn({1, 96, 6, 64}).to(at::kBFloat16).transpose(1, 2);  // [1, 6, 96, 64]
+  const at::Tensor buffer_k = at::randn({1, 2, 300, 64}).to(at::kBFloat16), buffer_v = at::randn({1, 2, 300, 64}).to(at::kBFloat16);
+  const at::Tensor keys = buffer_k.narrow(2, 0, 160), values = buffer_v.narrow(2, 0, 160);
+  const at::Tensor out = ops::causal_attention_cpu(q, keys, values, nullptr);
+  const at::Tensor same = ops::causal_attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(), nullptr);
+  EXPECT_TRUE(at::equal(out, same));
+}
+
+TEST(CausalAttentionCpu, FitsOnlyItsFastPath) {
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  const at::Tensor q = at::randn({1, 6, 64, 64}, bf16), kv = at::randn({1, 2, 80, 64}, bf16);
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.to(at::kFloat), kv.to(at::kFloat), kv.to(at::kFloat)));  // float32
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 8), kv, kv));                      // a few queries: decode
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(at::randn({1, 6, 64, 32}, bf16), at::randn({1, 2, 80, 32}, bf16),
+                                              at::randn({1, 2, 80, 32}, bf16)));                 // head dim 32
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, kv.narrow(2, 0, 40), kv.narrow(2, 0, 40)));     // fewer keys than queries
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 2, 5000, 64}, bf16), at::randn({1, 2, 5000, 64}, bf16)));
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 4, 80, 64}, bf16), at::randn({1, 4, 80, 64}, bf16)));
+  const at::Tensor needs_grad = q.to(at::kFloat).requires_grad_(true).to(at::kBFloat16);
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(needs_grad, kv, kv));
+}
