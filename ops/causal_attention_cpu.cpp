@@ -22,7 +22,7 @@ using Bits = uint16_t;  // bfloat16 as its bits; the cpublas calls take at::BFlo
 // Keys per packed block of Kᵀ, queries per task, and columns per packed slice of V: oneDNN's pack writes the
 // leading dimensions 16, 32, 48 and 64 only.
 constexpr int64_t kBlock = 64;
-constexpr int64_t kMinQueries = 64;
+constexpr int64_t kMinQueries = 192;  // below it SDPA's kernel was as fast or faster (bench_cpu_attention)
 constexpr int64_t kMaxKeys = 4096;
 
 const at::BFloat16* as_bf16(const Bits* p) { return reinterpret_cast<const at::BFloat16*>(p); }

@@ -40,7 +40,7 @@ at::Tensor attention_at(const at::Tensor& q, const at::Tensor& keys, const at::T
 }
 
 bool amx_here() {
-  const at::Tensor probe = at::randn({1, 1, 64, 64}).to(at::kBFloat16);
+  const at::Tensor probe = at::randn({1, 1, 192, 64}).to(at::kBFloat16);
   return ops::causal_attention_cpu_fits(probe, probe, probe);
 }
 
@@ -50,8 +50,8 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
   if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
   at::manual_seed(11);
   struct Shape { int64_t B, Hq, Hkv, T, cached, D; };
-  for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{1, 9, 3, 130, 0, 64}, Shape{2, 3, 3, 100, 37, 64},
-                        Shape{1, 4, 1, 64, 200, 128}, Shape{1, 8, 2, 200, 64, 128}}) {
+  for (const Shape s : {Shape{2, 6, 2, 192, 0, 64}, Shape{1, 9, 3, 200, 0, 64}, Shape{2, 3, 3, 193, 37, 64},
+                        Shape{1, 4, 1, 192, 200, 128}, Shape{1, 8, 2, 250, 64, 128}}) {
     const int64_t N = s.cached + s.T;
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor q = (at::randn({s.B, s.Hq, s.T, s.D}) * 2).to(at::kBFloat16);
@@ -80,9 +80,9 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
 TEST(CausalAttentionCpu, ReadsStridedInputs) {
   if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
   at::manual_seed(12);
-  const at::Tensor q = at::randn({1, 96, 6, 64}).to(at::kBFloat16).transpose(1, 2);  // [1, 6, 96, 64]
-  const at::Tensor buffer_k = at::randn({1, 2, 300, 64}).to(at::kBFloat16), buffer_v = at::randn({1, 2, 300, 64}).to(at::kBFloat16);
-  const at::Tensor keys = buffer_k.narrow(2, 0, 160), values = buffer_v.narrow(2, 0, 160);
+  const at::Tensor q = at::randn({1, 200, 6, 64}).to(at::kBFloat16).transpose(1, 2);  // [1, 6, 200, 64]
+  const at::Tensor buffer_k = at::randn({1, 2, 400, 64}).to(at::kBFloat16), buffer_v = at::randn({1, 2, 400, 64}).to(at::kBFloat16);
+  const at::Tensor keys = buffer_k.narrow(2, 0, 260), values = buffer_v.narrow(2, 0, 260);
   const at::Tensor out = ops::causal_attention_cpu(q, keys, values, nullptr);
   const at::Tensor same = ops::causal_attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(), nullptr);
   EXPECT_TRUE(at::equal(out, same));
@@ -90,14 +90,14 @@ TEST(CausalAttentionCpu, ReadsStridedInputs) {
 
 TEST(CausalAttentionCpu, FitsOnlyItsFastPath) {
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
-  const at::Tensor q = at::randn({1, 6, 64, 64}, bf16), kv = at::randn({1, 2, 80, 64}, bf16);
+  const at::Tensor q = at::randn({1, 6, 192, 64}, bf16), kv = at::randn({1, 2, 200, 64}, bf16);
   EXPECT_FALSE(ops::causal_attention_cpu_fits(q.to(at::kFloat), kv.to(at::kFloat), kv.to(at::kFloat)));  // float32
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 8), kv, kv));                      // a few queries: decode
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(at::randn({1, 6, 64, 32}, bf16), at::randn({1, 2, 80, 32}, bf16),
-                                              at::randn({1, 2, 80, 32}, bf16)));                 // head dim 32
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, kv.narrow(2, 0, 40), kv.narrow(2, 0, 40)));     // fewer keys than queries
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 64), kv, kv));                     // a short chunk
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(at::randn({1, 6, 192, 32}, bf16), at::randn({1, 2, 200, 32}, bf16),
+                                              at::randn({1, 2, 200, 32}, bf16)));                // head dim 32
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, kv.narrow(2, 0, 100), kv.narrow(2, 0, 100)));   // fewer keys than queries
   EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 2, 5000, 64}, bf16), at::randn({1, 2, 5000, 64}, bf16)));
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 4, 80, 64}, bf16), at::randn({1, 4, 80, 64}, bf16)));
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 4, 200, 64}, bf16), at::randn({1, 4, 200, 64}, bf16)));
   const at::Tensor needs_grad = q.to(at::kFloat).requires_grad_(true).to(at::kBFloat16);
   EXPECT_FALSE(ops::causal_attention_cpu_fits(needs_grad, kv, kv));
 }
