@@ -1,6 +1,7 @@
 #include "train/indexmem_method.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/tensor.h>
 
 #include "base/errors.h"
@@ -83,11 +84,19 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     TeacherCapture teacher(settings_);
     model_.teacher_hidden(batch.inputs.index_select(0, index).narrow(1, 0, L), &teacher);
     const auto n = static_cast<std::int64_t>(members.size());
+    // Every Ω(t) lies within the row's last `window` queries: the indexer's queries and head weights are formed
+    // there alone and the rows before them are zeros the score never reads (with window = 32 of 511 queries,
+    // the projections, norms and RoPE of 16× fewer rows, and their backward).
+    const std::int64_t used = settings_.window > 0 ? std::min(settings_.window, L) : L, unused = L - used;
     for (std::int64_t l = 0; l < num_layers; ++l) {
       const auto i = static_cast<std::size_t>(l);
-      const at::Tensor qI = indexer_->query(l, teacher.q_pre_rope[i], teacher.positions);
       const at::Tensor kI = indexer_->key(l, teacher.normed_input[i], teacher.positions);
-      const at::Tensor w = indexer_->head_weights(l, teacher.normed_input[i]);
+      at::Tensor qI = indexer_->query(l, teacher.q_pre_rope[i].narrow(2, unused, used), teacher.positions.narrow(0, unused, used));
+      at::Tensor w = indexer_->head_weights(l, teacher.normed_input[i].narrow(1, unused, used));
+      if (unused > 0) {
+        qI = at::constant_pad_nd(qI, {0, 0, unused, 0});
+        w = at::constant_pad_nd(w, {unused, 0});
+      }
       const at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
                                                    settings_.indexer.relu);
       const at::Tensor kl = losses::streaming_kl(teacher.importance[i], z, valid_here) * static_cast<double>(n);
