@@ -215,37 +215,39 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   if (hook) hook->before_attention(call, cache);
   const std::int64_t T = call.q.size(2), cached = cache.size(call.layer);
   cache.append(call.layer, call.k, call.v, call.positions);
-  std::optional<at::Tensor> mask;  // none for a first chunk (plain causal) or a single token
-  bool causal = false;
-  if (T > 1 && cached == 0) {
-    causal = true;
-  } else if (T > 1) {
-    const auto opts = at::TensorOptions().dtype(at::kBool).device(call.q.device());
-    mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
-  }
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
-  // The CPU flash kernel's logsumexp carries no gradient: inputs that need one take the explicit path.
-  const bool differentiable = at::GradMode::is_enabled() && (call.q.requires_grad() || keys.requires_grad());
   if (ops::causal_attention_cpu_fits(call.q, keys, values)) {
     // A bfloat16 prefill chunk on an AMX CPU (ops/causal_attention_cpu.h): the logsumexp comes with it.
     at::Tensor lse;
     call.output = ops::causal_attention_cpu(call.q, keys, values, call.wants_logsumexp ? &lse : nullptr);
     if (call.wants_logsumexp) call.logsumexp = lse.unsqueeze(-1);
-  } else if (call.wants_logsumexp && call.q.is_cpu() && !differentiable) {
-    // The kernel SDPA itself runs on the CPU (GQA included), called directly for the logsumexp it computes anyway;
-    // it takes the mask additive, in the query's dtype. A private ATen op whose signature follows the pinned
-    // torch (2.11): the test AttendOverCache.HandsOutTheLogsumexpOfWhatEachQueryAttended checks it still
-    // equals SDPA bit for bit.
-    std::optional<at::Tensor> additive;
-    if (mask) additive = at::zeros(mask->sizes(), call.q.options()).masked_fill(mask->logical_not(), -INFINITY);
-    at::Tensor lse;
-    std::tie(call.output, lse) = at::_scaled_dot_product_flash_attention_for_cpu(call.q, keys, values, 0.0, causal, additive);
-    call.logsumexp = lse.to(at::kFloat).unsqueeze(-1);
   } else {
-    call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
-                                                   /*enable_gqa=*/call.q.size(1) != call.k.size(1));
-    if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys);
+    std::optional<at::Tensor> mask;  // none for a first chunk (plain causal) or a single token
+    bool causal = false;
+    if (T > 1 && cached == 0) {
+      causal = true;
+    } else if (T > 1) {
+      const auto opts = at::TensorOptions().dtype(at::kBool).device(call.q.device());
+      mask = at::cat({at::ones({T, cached}, opts), at::ones({T, T}, opts).tril()}, 1);
+    }
+    // The CPU flash kernel's logsumexp carries no gradient: inputs that need one take the explicit path.
+    const bool differentiable = at::GradMode::is_enabled() && (call.q.requires_grad() || keys.requires_grad());
+    if (call.wants_logsumexp && call.q.is_cpu() && !differentiable) {
+      // The kernel SDPA itself runs on the CPU (GQA included), called directly for the logsumexp it computes anyway;
+      // it takes the mask additive, in the query's dtype. A private ATen op whose signature follows the pinned
+      // torch (2.11): the test AttendOverCache.HandsOutTheLogsumexpOfWhatEachQueryAttended checks it still
+      // equals SDPA bit for bit.
+      std::optional<at::Tensor> additive;
+      if (mask) additive = at::zeros(mask->sizes(), call.q.options()).masked_fill(mask->logical_not(), -INFINITY);
+      at::Tensor lse;
+      std::tie(call.output, lse) = at::_scaled_dot_product_flash_attention_for_cpu(call.q, keys, values, 0.0, causal, additive);
+      call.logsumexp = lse.to(at::kFloat).unsqueeze(-1);
+    } else {
+      call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
+                                                     /*enable_gqa=*/call.q.size(1) != call.k.size(1));
+      if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys);
+    }
   }
   if (hook) hook->after_attention(call, cache);
 }

@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "ops/cpu_vector.h"
@@ -19,11 +19,16 @@ namespace {
 namespace cpublas = at::native::cpublas;
 using Bits = uint16_t;  // bfloat16 as its bits; the cpublas calls take at::BFloat16
 
-// Keys per packed block of Kᵀ, queries per task, and columns per packed slice of V: oneDNN's pack writes the
-// leading dimensions 16, 32, 48 and 64 only.
+// Keys per packed block of Kᵀ and columns per packed slice of V: oneDNN's pack writes the leading dimensions 16,
+// 32, 48 and 64 only.
 constexpr int64_t kBlock = 64;
 constexpr int64_t kMinQueries = 192;  // below it SDPA's kernel was as fast or faster (bench_cpu_attention)
 constexpr int64_t kMaxKeys = 4096;
+// Score rows per task (a GQA group's heads × a block of queries): up to 256, so a task's scores stay ~4 MiB at
+// 4096 keys whatever the group size. Their row stride is fixed, so the score product's micro-kernel (oneDNN
+// generates one per shape and leading dimensions, and keeps it) is the same for every block and call.
+constexpr int64_t kMaxRows = 256;
+constexpr int64_t kScoreStride = kMaxKeys + 16;  // not a power of two: rows do not share cache sets
 
 const at::BFloat16* as_bf16(const Bits* p) { return reinterpret_cast<const at::BFloat16*>(p); }
 
@@ -58,29 +63,6 @@ void pack_values(const Bits* values, int64_t ld, int64_t N, int64_t D, Bits* pac
     }
 }
 
-// 2^y for y ≤ 0, in float32 within ~1.1 ulp of the exact value (Cephes' exp2f: y = n + f with |f| ≤ 1/2, 2^f by
-// a degree-6 polynomial, 2^n written into the exponent bits). The exponent is floored at 2^−127, whose bits are
-// those of 0, so a weight under float32's normal range is 0, and only y's lower clamp is a compare (softmax
-// arguments are ≤ 0; NaN stays NaN).
-inline float exp2_nonpositive(float y) {
-  y = y < -150.f ? -150.f : y;
-  const float nf = (y + 12582912.f) - 12582912.f;  // y rounded to nearest by the 1.5·2²³ shift
-  const float f = y - nf;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int n = static_cast<int>(nf);
-  n = n < -127 ? -127 : n;
-  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // One score row s [width] in place: for k < visible, p[k] = bfloat16(e^(scale·s[k] − m)) with m = scale·max s;
 // p[k] = 0 for visible ≤ k < width. Returns m and Σ e in float32, summed in ops/cpu_vector.h's fixed order.
 // The row is padded with −∞ to whole 16-lane chunks first (every key's weight there is 0), so no loop has a
@@ -100,7 +82,7 @@ KVBOUND_VECTOR_CLONES void softmax_row(float* s, Bits* p, int64_t visible, int64
   const float log2_scale = scale * 1.44269504088896341f, shift = max * log2_scale;
   // e alone in its loop: beside the sum and the conversion GCC vectorizes it worse (measured 1.5x slower).
 #pragma omp simd
-  for (int64_t k = 0; k < chunked; ++k) s[k] = exp2_nonpositive(s[k] * log2_scale - shift);
+  for (int64_t k = 0; k < chunked; ++k) s[k] = cpu::exp2_nonpositive(s[k] * log2_scale - shift);
   row_sum = cpu::fixed_order_sum(chunked, [s, p](int64_t k) {
     p[k] = cpu::float_to_bf16(s[k]);
     return s[k];
@@ -116,27 +98,33 @@ KVBOUND_VECTOR_CLONES void write_row(const float* o, float inv_sum, int64_t D, B
 
 }  // namespace
 
-bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
-  if (!q.is_cpu() || q.scalar_type() != at::kBFloat16 || keys.scalar_type() != at::kBFloat16 ||
-      values.scalar_type() != at::kBFloat16 || q.dim() != 4 || keys.dim() != 4 || values.sizes() != keys.sizes())
+bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || q.scalar_type() != at::kBFloat16 ||
+      keys.scalar_type() != at::kBFloat16 || values.scalar_type() != at::kBFloat16 || q.dim() != 4 ||
+      keys.dim() != 4 || values.sizes() != keys.sizes())
     return false;
-  const int64_t D = q.size(3), T = q.size(2), N = keys.size(2);
-  if ((D != 64 && D != 128) || keys.size(3) != D || keys.size(0) != q.size(0) || q.size(1) % keys.size(1) != 0 ||
-      T < kMinQueries || N < T || N > kMaxKeys)
+  const int64_t D = q.size(3), T = q.size(2), N = keys.size(2), Hkv = keys.size(1);
+  if ((D != 64 && D != 128) || keys.size(3) != D || keys.size(0) != q.size(0) || Hkv < 1 || q.size(1) % Hkv != 0 ||
+      T < 1 || N < T || N > kMaxKeys)
     return false;
   if (q.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1) return false;
   if (at::GradMode::is_enabled() && (q.requires_grad() || keys.requires_grad() || values.requires_grad())) return false;
-  static const bool amx = cpublas::could_pack(at::kBFloat16);
-  return amx;
+  return cpublas::could_pack(at::kBFloat16);  // asked each time: it follows at::globalContext()'s mkldnn switch
+}
+
+bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  return q.dim() == 4 && q.size(2) >= kMinQueries && causal_attention_cpu_supported(q, keys, values);
 }
 
 at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                 at::Tensor* logsumexp) {
-  TORCH_CHECK(causal_attention_cpu_fits(q, keys, values), "causal_attention_cpu: inputs outside its fast path");
+  TORCH_CHECK(causal_attention_cpu_supported(q, keys, values), "causal_attention_cpu: inputs outside its fast path");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = keys.size(1), N = keys.size(2), G = Hq / Hkv, cached = N - T;
   const int64_t key_blocks = (N + kBlock - 1) / kBlock, padded = key_blocks * kBlock;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  // Queries per task: 64, fewer for large groups (G·queries ≤ 256 score rows); 1 for a group of more than 256.
+  const int64_t queries = std::max<int64_t>(1, std::min<int64_t>(kBlock, kMaxRows / G));
 
   // K and V packed once per (row, KV head): every query head of the group and every query block reads them.
   const auto bits = q.options().dtype(at::kBFloat16);
@@ -160,37 +148,39 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
   const auto* q_data = static_cast<const Bits*>(q.const_data_ptr());
   auto* out_data = static_cast<Bits*>(out.mutable_data_ptr());
   float* lse_data = logsumexp ? lse.mutable_data_ptr<float>() : nullptr;
-  const int64_t query_blocks = (T + kBlock - 1) / kBlock, max_rows = G * kBlock;
+  const int64_t query_blocks = (T + queries - 1) / queries, max_rows = G * queries;
 
   at::parallel_for(0, B * Hkv * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    // Per task: the group's queries as one [G·64, D] block, its scores, weights and weighted values.
-    std::vector<Bits> q_rows(static_cast<size_t>(max_rows * D)), weights(static_cast<size_t>(max_rows * padded));
-    std::vector<float> scores(static_cast<size_t>(max_rows * padded)), acc(static_cast<size_t>(max_rows * D));
+    // Per task: the group's queries as one [G·queries, D] block, its scores, weights and weighted values
+    // (uninitialised: every entry a task reads it has written).
+    const auto rows_of = [&](int64_t n) { return static_cast<size_t>(max_rows * n); };
+    const std::unique_ptr<Bits[]> q_rows(new Bits[rows_of(D)]), weights(new Bits[rows_of(padded)]);
+    const std::unique_ptr<float[]> scores(new float[rows_of(kScoreStride)]), acc(new float[rows_of(D)]);
     std::vector<float> row_max(static_cast<size_t>(max_rows)), row_sum(static_cast<size_t>(max_rows));
     for (int64_t task = begin; task < end; ++task) {
       // A block's cost grows with its keys; taking a head's blocks first, last, second, second to last, …
       // gives each thread's contiguous range of tasks a like share of cheap and dear ones.
       const int64_t bh = task / query_blocks, b = bh / Hkv, h = bh % Hkv, p = task % query_blocks;
-      const int64_t s0 = (p % 2 == 0 ? p / 2 : query_blocks - 1 - p / 2) * kBlock;
-      const int64_t qn = std::min(kBlock, T - s0), rows = G * qn;
+      const int64_t s0 = (p % 2 == 0 ? p / 2 : query_blocks - 1 - p / 2) * queries;
+      const int64_t qn = std::min(queries, T - s0), rows = G * qn;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t t = 0; t < qn; ++t)
           std::copy_n(q_data + b * q.stride(0) + (h * G + g) * q.stride(1) + (s0 + t) * q.stride(2), D,
-                      q_rows.data() + (g * qn + t) * D);
+                      q_rows.get() + (g * qn + t) * D);
       // The block's last query sees cached + s0 + qn keys; earlier rows mask the rest of that width.
       const int64_t blocks = (cached + s0 + qn + kBlock - 1) / kBlock, width = blocks * kBlock;
       for (int64_t j = 0; j < blocks; ++j)
-        cpublas::brgemm(rows, kBlock, D, D, kBlock, width, false, as_bf16(q_rows.data()),
-                        as_bf16(pk + bh * padded * D + j * D * kBlock), scores.data() + j * kBlock);
+        cpublas::brgemm(rows, kBlock, D, D, kBlock, kScoreStride, false, as_bf16(q_rows.get()),
+                        as_bf16(pk + bh * padded * D + j * D * kBlock), scores.get() + j * kBlock);
       for (int64_t r = 0; r < rows; ++r)
-        softmax_row(scores.data() + r * width, weights.data() + r * width, cached + s0 + r % qn + 1, width, scale,
-                    row_max[static_cast<size_t>(r)], row_sum[static_cast<size_t>(r)]);
+        softmax_row(scores.get() + r * kScoreStride, weights.get() + r * width, cached + s0 + r % qn + 1, width,
+                    scale, row_max[static_cast<size_t>(r)], row_sum[static_cast<size_t>(r)]);
       for (int64_t c = 0; c < D; c += kBlock)
-        cpublas::brgemm(rows, kBlock, width, width, kBlock, D, false, as_bf16(weights.data()),
-                        as_bf16(pv + bh * padded * D + (c / kBlock) * key_blocks * kBlock * kBlock), acc.data() + c);
+        cpublas::brgemm(rows, kBlock, width, width, kBlock, D, false, as_bf16(weights.get()),
+                        as_bf16(pv + bh * padded * D + (c / kBlock) * key_blocks * kBlock * kBlock), acc.get() + c);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, t = s0 + r % qn, head = h * G + g;
-        write_row(acc.data() + r * D, 1.f / row_sum[static_cast<size_t>(r)], D, out_data + ((b * T + t) * Hq + head) * D);
+        write_row(acc.get() + r * D, 1.f / row_sum[static_cast<size_t>(r)], D, out_data + ((b * T + t) * Hq + head) * D);
         if (lse_data)
           lse_data[(b * Hq + head) * T + t] = row_max[static_cast<size_t>(r)] + std::log(row_sum[static_cast<size_t>(r)]);
       }

@@ -3,19 +3,24 @@
 // non-GEMM time per (head, 64-query block) — two oneDNN GEMM calls each, K and V read again for every query head
 // of a GQA group; here the G query heads of a group are one block of rows, K and V are packed once per KV
 // head and layer, and the softmax is one pass per row (a chunk's keys fit the buffer, so no online rescaling).
-// The result is SDPA's within bfloat16 rounding, not bit for bit (tests/test_ops.cpp bounds it by the plain
-// bfloat16 formula's error against float64).
+// The result is SDPA's within bfloat16 rounding, not bit for bit (tests/test_causal_attention_cpu.cpp bounds it
+// by the plain bfloat16 formula's error against float64); which kernel runs depends on the CPU (AMX or not), so
+// bfloat16 results differ slightly between machines.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 namespace kvbound::ops {
 
-// Whether causal_attention_cpu takes these inputs: CPU bfloat16 q [B, Hq, T, D], keys and values [B, Hkv, N, D]
-// with unit stride along D, Hq a multiple of Hkv, D 64 or 128, T ≥ 192 queries (measured on SmolLM2's heads,
-// `bench_cpu_attention`, SDPA's time over this kernel's: 0.72–0.94 at 64–128 queries, 1.07–1.10 at 192, 1.2–1.35
-// at 256–512 on a first chunk; 0.75 for 128 queries after 256 cached keys, where the softmax over the cache
-// dominates both), N ≤ 4096 keys (the score buffer stays within the caches), no gradient to carry, and a CPU whose
-// oneDNN micro-kernels pack bfloat16 (AMX).
+// Whether causal_attention_cpu can take these inputs: CPU bfloat16 q [B, Hq, T, D], keys and values
+// [B, Hkv, N, D] with unit stride along D (any other strides), Hq a multiple of Hkv ≥ 1, D 64 or 128,
+// T ≤ N ≤ 4096 keys (a task's scores, ≤ 256 rows × 4096 keys in float32, stay a few MiB), no gradient to carry,
+// and a CPU whose oneDNN micro-kernels pack bfloat16 (AMX) with oneDNN enabled.
+bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values);
+
+// Whether it is also the faster kernel, hence the one the backbone takes: T ≥ 192 queries. Measured on
+// SmolLM2's heads (`bench_cpu_attention T CACHED 1`, SDPA's time over this kernel's): 0.72–0.94 at 64–128
+// queries, 1.07–1.10 at 192, 1.2–1.35 at 256–512 on a first chunk; 0.75 for 128 queries after 256 cached keys,
+// where the softmax over the cache dominates both; 0.98–1.09 for 192–512 queries after 3584–3904.
 bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values);
 
 // softmax(q·kᵀ/√D + causal mask)·v with the chunk's T queries the last T of the N positions (query t sees keys

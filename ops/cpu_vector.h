@@ -35,17 +35,35 @@ inline uint16_t float_to_bf16(float f) {
   return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
 }
 
+// x rounded to the nearest integer by the 1.5·2²³ shift, for |x| < 2²²: shifted = x + 1.5·2²³ lands in
+// [2²³, 2²⁴), where floats are the integers, so its mantissa bits hold the integer; read from the bits, as a
+// conversion of NaN to int would be undefined.
+inline float shifted_by_round_constant(float x) { return x + 12582912.f; }
+inline int32_t integer_of_shifted(float shifted) {
+  uint32_t u;
+  std::memcpy(&u, &shifted, sizeof u);
+  return static_cast<int32_t>(u - 0x4B400000u);
+}
+
+// 2^n for an integer n in [−127, 128): the exponent bits (n = −127 gives the bits of 0).
+inline float power_of_two(int32_t n) {
+  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // e^x in float32 within ~2 ulp of the exact value for |x| ≤ 87 (Cephes' expf: x = n·ln 2 + r with |r| ≤ ln 2 / 2,
 // e^r by a degree-6 polynomial, 2^n written into the exponent bits); x is clamped to [−87, 88], so the result
-// stays a normal float (e^−87 ≈ 1.6e−38, e^88 ≈ 1.7e38). n is x·log₂e rounded to nearest even by adding and
-// subtracting 1.5·2²³ (exact for |x·log₂e| < 2²²), which vectorizes without a compare per lane. NaN passes both
-// clamps and makes r, hence the result, NaN.
+// stays a normal float (e^−87 ≈ 1.6e−38, e^88 ≈ 1.7e38). n is x·log₂e rounded to nearest by the shift above,
+// which vectorizes without a compare per lane. NaN passes both clamps and makes r, hence the result, NaN.
 // A loop that calls it should do nothing else with x: GCC may otherwise specialise the loop body for the two
 // clamped constants and compute it three times per lane (measured: 4× slower in the SwiGLU gate).
 inline float exp_float(float x) {
   x = x < -87.f ? -87.f : x;
   x = x > 88.f ? 88.f : x;
-  const float nf = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float shifted = shifted_by_round_constant(x * 1.44269504088896341f);
+  const float nf = shifted - 12582912.f;
   const float r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -54,10 +72,27 @@ inline float exp_float(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float e_r = p * r * r + r + 1.f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int>(nf) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return e_r * two_n;
+  return e_r * power_of_two(integer_of_shifted(shifted));
+}
+
+// 2^y for y ≤ 0 (softmax weights), in float32 within ~1.1 ulp of the exact value down to 2^−126 (Cephes' exp2f:
+// y = n + f with |f| ≤ 1/2, 2^f by a degree-6 polynomial, 2^n into the exponent bits); n is floored at −127,
+// whose exponent bits are those of 0, so the weight of y < −127 is 0 and y's only compare is its clamp at −150
+// (which keeps the shift exact). Slightly positive y (a rounding above a row's max) is fine; NaN stays NaN.
+inline float exp2_nonpositive(float y) {
+  y = y < -150.f ? -150.f : y;
+  const float shifted = shifted_by_round_constant(y);
+  const float f = y - (shifted - 12582912.f);
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t n = integer_of_shifted(shifted);
+  n = n < -127 ? -127 : n;
+  return p * power_of_two(n);
 }
 
 // Σ term(i) for i < n in float32 in a fixed order, whatever the ISA or the row's address: lane j of 16 sums the

@@ -6,6 +6,7 @@
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 
 #include "modules/backbone.h"
 #include "modules/kv_cache.h"
+#include "ops/causal_attention_cpu.h"
 #include "ops/cuda_module.h"
 
 using namespace kvbound;
@@ -115,6 +117,50 @@ TEST(AttendOverCache, LogsumexpCarriesTheGradientOfInputsThatNeedOne) {
     EXPECT_LE(max_abs_diff(call.logsumexp.detach().to(at::kDouble), at::logsumexp(scores, -1, true)), 1e-5) << where;
     const at::Tensor values = cache.values(0).to(at::kDouble).repeat_interleave(3, 1);
     EXPECT_LE(max_abs_diff(call.output.detach().to(at::kDouble), at::matmul(at::softmax(scores, -1), values)), 1e-5) << where;
+  }
+}
+
+// A bfloat16 prefill of ≥ 192 queries on an AMX CPU takes ops/causal_attention_cpu: a first chunk and one after
+// 192 cached entries, GQA, with and without the logsumexp — the output within the plain bfloat16 formula's
+// error of the float64 one (as SDPA's is), the logsumexp [B, Hq, T, 1] float32 of what each query saw.
+TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  const at::Tensor probe = at::randn({1, 6, 192, 64}, bf16), probe_kv = at::randn({1, 2, 192, 64}, bf16);
+  if (!ops::causal_attention_cpu_fits(probe, probe_kv, probe_kv))
+    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): SDPA runs every chunk here";
+  at::manual_seed(21);
+  KVCache plain(1), asking(1);
+  for (std::int64_t start = 0; start < 384; start += 192) {
+    AttentionCall call;
+    call.q = (at::randn({2, 6, 192, 64}) * 2).to(at::kBFloat16);
+    call.k = at::randn({2, 2, 192, 64}, bf16);
+    call.v = at::randn({2, 2, 192, 64}, bf16);
+    call.positions = at::arange(start, start + 192, at::TensorOptions().dtype(at::kLong));
+    AttentionCall with_lse = call;
+    with_lse.wants_logsumexp = true;
+    attend_over_cache(call, plain, nullptr);
+    attend_over_cache(with_lse, asking, nullptr);
+    const std::string where = "start " + std::to_string(start);
+    EXPECT_FALSE(call.logsumexp.defined()) << where;
+    EXPECT_TRUE(at::equal(with_lse.output, call.output)) << where;
+    ASSERT_EQ(call.output.sizes(), call.q.sizes()) << where;
+    const std::int64_t N = start + 192;
+    const at::Tensor keys = asking.keys(0).repeat_interleave(3, 1), values = asking.values(0).repeat_interleave(3, 1);
+    auto scores_at = [&](at::ScalarType precision) {
+      at::Tensor scores = at::matmul(call.q.to(precision), keys.to(precision).transpose(-1, -2)) / 8.0;
+      for (std::int64_t t = 0; t < 192; ++t) scores.narrow(2, t, 1).narrow(3, start + t + 1, N - start - t - 1).fill_(-INFINITY);
+      return scores;
+    };
+    const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
+    const at::Tensor plain_bf16 = at::matmul(at::softmax(scores_at(at::kBFloat16), -1), values);
+    EXPECT_LE(max_abs_diff(call.output.to(at::kDouble), exact), 2 * max_abs_diff(plain_bf16.to(at::kDouble), exact)) << where;
+    const at::Tensor want_lse = at::logsumexp(scores_at(at::kDouble), -1, true);
+    ASSERT_EQ(with_lse.logsumexp.sizes(), want_lse.sizes()) << where;
+    EXPECT_EQ(with_lse.logsumexp.scalar_type(), at::kFloat) << where;
+    const double plain_lse_error = max_abs_diff(at::logsumexp(scores_at(at::kBFloat16), -1, true).to(at::kDouble), want_lse);
+    EXPECT_LE(max_abs_diff(with_lse.logsumexp.to(at::kDouble), want_lse), std::max(1e-4, 2 * plain_lse_error)) << where;
+    plain.advance(192);
+    asking.advance(192);
   }
 }
 

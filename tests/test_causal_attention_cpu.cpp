@@ -1,7 +1,8 @@
 // The CPU bfloat16 prefill attention (ops/causal_attention_cpu.h): within a small multiple of the plain bfloat16
 // formula's error against float64, output and row logsumexp, for first chunks and chunks after cached keys, GQA
-// groups of 1 and 3, head dims 64 and 128, query counts that leave a partial block; and the backbone takes it
-// only where it fits. Skipped, saying so, on a CPU whose oneDNN does not pack bfloat16 (no AMX).
+// groups of 1 to 8, head dims 64 and 128, query counts that leave a partial block, 4096 keys, strided keys and
+// values; and which inputs it takes, and which it is the faster kernel for. Skipped, saying so, on a CPU whose
+// oneDNN does not pack bfloat16 (no AMX). tests/test_attend_over_cache.cpp runs it through the backbone's path.
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
@@ -41,7 +42,7 @@ at::Tensor attention_at(const at::Tensor& q, const at::Tensor& keys, const at::T
 
 bool amx_here() {
   const at::Tensor probe = at::randn({1, 1, 192, 64}).to(at::kBFloat16);
-  return ops::causal_attention_cpu_fits(probe, probe, probe);
+  return ops::causal_attention_cpu_supported(probe, probe, probe);
 }
 
 }  // namespace
@@ -50,8 +51,9 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
   if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
   at::manual_seed(11);
   struct Shape { int64_t B, Hq, Hkv, T, cached, D; };
-  for (const Shape s : {Shape{2, 6, 2, 192, 0, 64}, Shape{1, 9, 3, 200, 0, 64}, Shape{2, 3, 3, 193, 37, 64},
-                        Shape{1, 4, 1, 192, 200, 128}, Shape{1, 8, 2, 250, 64, 128}}) {
+  for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{2, 3, 3, 100, 37, 64}, Shape{2, 6, 2, 192, 0, 64},
+                        Shape{1, 9, 3, 200, 0, 64}, Shape{2, 3, 3, 193, 37, 64}, Shape{1, 4, 1, 192, 200, 128},
+                        Shape{1, 8, 2, 250, 64, 128}, Shape{1, 16, 2, 192, 0, 128}, Shape{1, 3, 1, 192, 3904, 64}}) {
     const int64_t N = s.cached + s.T;
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor q = (at::randn({s.B, s.Hq, s.T, s.D}) * 2).to(at::kBFloat16);
@@ -59,7 +61,7 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
     const std::string where = "B " + std::to_string(s.B) + " Hq " + std::to_string(s.Hq) + " Hkv " +
                               std::to_string(s.Hkv) + " T " + std::to_string(s.T) + " cached " +
                               std::to_string(s.cached) + " D " + std::to_string(s.D);
-    ASSERT_TRUE(ops::causal_attention_cpu_fits(q, keys, values)) << where;
+    ASSERT_TRUE(ops::causal_attention_cpu_supported(q, keys, values)) << where;
     at::Tensor lse;
     const at::Tensor out = ops::causal_attention_cpu(q, keys, values, &lse);
     ASSERT_EQ(out.sizes(), q.sizes()) << where;
@@ -76,28 +78,42 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
   }
 }
 
-// Strided keys and values (the cache's views of a larger buffer) and queries from a transposed projection.
+// Strided keys and values (the cache's views of a larger buffer, and a [B, N, Hkv, D] layout seen as
+// [B, Hkv, N, D]) and queries from a transposed projection: the same result as contiguous copies.
 TEST(CausalAttentionCpu, ReadsStridedInputs) {
   if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
   at::manual_seed(12);
   const at::Tensor q = at::randn({1, 200, 6, 64}).to(at::kBFloat16).transpose(1, 2);  // [1, 6, 200, 64]
   const at::Tensor buffer_k = at::randn({1, 2, 400, 64}).to(at::kBFloat16), buffer_v = at::randn({1, 2, 400, 64}).to(at::kBFloat16);
   const at::Tensor keys = buffer_k.narrow(2, 0, 260), values = buffer_v.narrow(2, 0, 260);
-  const at::Tensor out = ops::causal_attention_cpu(q, keys, values, nullptr);
   const at::Tensor same = ops::causal_attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(), nullptr);
-  EXPECT_TRUE(at::equal(out, same));
+  EXPECT_TRUE(at::equal(ops::causal_attention_cpu(q, keys, values, nullptr), same));
+  const at::Tensor keys_nhd = keys.transpose(1, 2).contiguous().transpose(1, 2);  // stride(2) = Hkv·D
+  const at::Tensor values_nhd = values.transpose(1, 2).contiguous().transpose(1, 2);
+  ASSERT_NE(keys_nhd.stride(2), 64);
+  EXPECT_TRUE(at::equal(ops::causal_attention_cpu(q, keys_nhd, values_nhd, nullptr), same));
 }
 
-TEST(CausalAttentionCpu, FitsOnlyItsFastPath) {
+TEST(CausalAttentionCpu, TakesOnlyItsInputsAndRunsWhereItIsFaster) {
+  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): nothing is supported here";
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   const at::Tensor q = at::randn({1, 6, 192, 64}, bf16), kv = at::randn({1, 2, 200, 64}, bf16);
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.to(at::kFloat), kv.to(at::kFloat), kv.to(at::kFloat)));  // float32
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 64), kv, kv));                     // a short chunk
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(at::randn({1, 6, 192, 32}, bf16), at::randn({1, 2, 200, 32}, bf16),
-                                              at::randn({1, 2, 200, 32}, bf16)));                // head dim 32
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, kv.narrow(2, 0, 100), kv.narrow(2, 0, 100)));   // fewer keys than queries
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 2, 5000, 64}, bf16), at::randn({1, 2, 5000, 64}, bf16)));
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q, at::randn({1, 4, 200, 64}, bf16), at::randn({1, 4, 200, 64}, bf16)));
-  const at::Tensor needs_grad = q.to(at::kFloat).requires_grad_(true).to(at::kBFloat16);
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(needs_grad, kv, kv));
+  EXPECT_TRUE(ops::causal_attention_cpu_supported(q, kv, kv));
+  EXPECT_TRUE(ops::causal_attention_cpu_fits(q, kv, kv));
+  // A short chunk: the kernel takes it, but SDPA's was faster there.
+  EXPECT_TRUE(ops::causal_attention_cpu_supported(q.narrow(2, 0, 64), kv, kv));
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 64), kv, kv));
+  const auto refused = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const char* why) {
+    EXPECT_FALSE(ops::causal_attention_cpu_supported(q_, k_, v_)) << why;
+    EXPECT_FALSE(ops::causal_attention_cpu_fits(q_, k_, v_)) << why;
+  };
+  refused(q.to(at::kFloat), kv.to(at::kFloat), kv.to(at::kFloat), "float32");
+  refused(at::randn({1, 6, 192, 32}, bf16), at::randn({1, 2, 200, 32}, bf16), at::randn({1, 2, 200, 32}, bf16),
+          "head dim 32");
+  refused(q, kv.narrow(2, 0, 100), kv.narrow(2, 0, 100), "fewer keys than queries");
+  refused(q, at::randn({1, 2, 5000, 64}, bf16), at::randn({1, 2, 5000, 64}, bf16), "more than 4096 keys");
+  refused(q, at::randn({1, 4, 200, 64}, bf16), at::randn({1, 4, 200, 64}, bf16), "6 query heads over 4 KV heads");
+  refused(q, at::randn({1, 0, 200, 64}, bf16), at::randn({1, 0, 200, 64}, bf16), "no KV heads");
+  refused(q.transpose(2, 3).contiguous().transpose(2, 3), kv, kv, "queries strided along D");
+  refused(q.to(at::kFloat).requires_grad_(true).to(at::kBFloat16), kv, kv, "a gradient to carry");
 }
