@@ -3,14 +3,11 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/addmm.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/exp.h>
 #include <ATen/ops/matmul.h>
-#include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -19,6 +16,8 @@
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#include "ops/cpu_vector.h"
 
 namespace kvbound::ops {
 namespace {
@@ -56,6 +55,42 @@ at::Tensor flat_rows(const at::Tensor& x, at::ScalarType compute) {
                       : c.view({x.size(0) * x.size(1), x.size(2)});
 }
 
+// C[M×N] = (accumulate ? C : 0) + A[M×K]·B[K×N], row-major with leading dimensions: every product of a tile.
+// float runs oneDNN's batch-reduce GEMM micro-kernel on the raw pointers (cpublas::brgemm: no tensor views, no
+// dispatcher, no packing per call; at::mm per tile made the op 5× slower, DESIGN.md); double, which the tests'
+// tight comparisons use, a plain loop.
+void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+               int64_t ldc, bool accumulate) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+}
+
+void tile_gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
+               int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; ++m) {
+    double* c = C + m * ldc;
+    if (!accumulate) std::fill_n(c, N, 0.0);
+    for (int64_t k = 0; k < K; ++k) {
+      const double a = A[m * lda + k];
+      const double* b = B + k * ldb;
+      for (int64_t n = 0; n < N; ++n) c[n] += a * b[n];
+    }
+  }
+}
+
+// x ← e^x in place for x ≤ 0 (−∞ gives 0): float by ops/cpu_vector.h's exp2 polynomial (~1 ulp, vectorized),
+// double by std::exp.
+KVBOUND_VECTOR_CLONES void exp_nonpositive_in_place(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = cpu::exp2_nonpositive(x[i] * 1.44269504088896341f);
+}
+
+void exp_nonpositive_in_place(double* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// [rows, T, D] → [rows, D, T]: the right-hand operand of products against the transposed matrix (q·kᵀ, dO·vᵀ).
+at::Tensor transposed_rows(const at::Tensor& x) { return x.transpose(1, 2).contiguous(); }
+
 // Online-softmax forward over key blocks (FlashAttention-2, Alg. 1): per query row keep the running max m
 // and sum l of exp(logit − m); a new key block with max m' rescales l and the output row by exp(m − m').
 // Saves lse = m + log l per row.
@@ -67,28 +102,26 @@ void forward_blocked(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t query_blocks = (T + query_block - 1) / query_block;
   const scalar_t scale = scalar_t(1) / std::sqrt(static_cast<scalar_t>(D));
   const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
-  const scalar_t* log_beta_data = log_beta.const_data_ptr<scalar_t>();
-  scalar_t* lse_data = lse.mutable_data_ptr<scalar_t>();
+  const at::Tensor k_t = transposed_rows(k);
+  const scalar_t *q_data = q.const_data_ptr<scalar_t>(), *kt_data = k_t.const_data_ptr<scalar_t>();
+  const scalar_t *v_data = v.const_data_ptr<scalar_t>(), *log_beta_data = log_beta.const_data_ptr<scalar_t>();
+  scalar_t *out_data = out.mutable_data_ptr<scalar_t>(), *lse_data = lse.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, rows * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor tile = at::empty({query_block * key_block}, q.options());
-    std::vector<scalar_t> row_max(query_block), row_sum(query_block);
+    std::vector<scalar_t> tile(static_cast<size_t>(query_block * key_block)), row_max(query_block), row_sum(query_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / query_blocks, kv_row = row / group;
       const int64_t t0 = (task % query_blocks) * query_block, nq = std::min(query_block, T - t0);
       const scalar_t* beta = log_beta_data + kv_row * T;
-      const at::Tensor q_rows = q[row].narrow(0, t0, nq);
-      const at::Tensor o_rows = out[row].narrow(0, t0, nq);
-      o_rows.zero_();
-      scalar_t* o = o_rows.mutable_data_ptr<scalar_t>();
+      const scalar_t* q_rows = q_data + (row * T + t0) * D;
+      scalar_t* o = out_data + (row * T + t0) * D;
+      std::fill_n(o, nq * D, scalar_t(0));
       std::fill_n(row_max.begin(), nq, minus_inf);
       std::fill_n(row_sum.begin(), nq, scalar_t(0));
       // Causal: key blocks starting after the block's last query hold only masked logits.
       for (int64_t s0 = 0; s0 < t0 + nq; s0 += key_block) {
         const int64_t nk = std::min(key_block, T - s0);
-        at::Tensor logits = tile.narrow(0, 0, nq * nk).view({nq, nk});
-        at::mm_out(logits, q_rows, k[kv_row].narrow(0, s0, nk).t());
-        scalar_t* x = logits.mutable_data_ptr<scalar_t>();
+        scalar_t* x = tile.data();
+        tile_gemm(nq, nk, D, q_rows, D, kt_data + kv_row * D * T + s0, T, x, nk, false);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t t = t0 + r, visible = std::clamp<int64_t>(t - s0 + 1, 0, nk);
           scalar_t* xr = x + r * nk;
@@ -106,14 +139,14 @@ void forward_blocked(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           for (int64_t c = 0; c < nk; ++c) xr[c] -= new_max;
           for (int64_t d = 0; d < D; ++d) o[r * D + d] *= rescale;
         }
-        logits.exp_();  // ATen's vectorised exp; masked entries become 0
+        exp_nonpositive_in_place(x, nq * nk);  // masked entries become 0
         for (int64_t r = 0; r < nq; ++r) {
           const scalar_t* pr = x + r * nk;
           scalar_t sum = 0;
           for (int64_t c = 0; c < nk; ++c) sum += pr[c];
           row_sum[r] += sum;
         }
-        o_rows.addmm_(logits, v[kv_row].narrow(0, s0, nk));
+        tile_gemm(nq, D, nk, x, nk, v_data + (kv_row * T + s0) * D, D, o, D, true);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const scalar_t inv_sum = scalar_t(1) / row_sum[r];
@@ -124,36 +157,12 @@ void forward_blocked(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   });
 }
 
-// One (query block, key block) tile of the backward: with P[t,i] = exp(logit[t,i] − lse_t) (0 for i > t) and
-// dP = dO·Vᵀ, writes P into `probs` and dS = P ∘ (dP − Δ_t) into `dlogits` (FlashAttention-2, Alg. 2).
-template <typename scalar_t>
-void recompute_tile(const at::Tensor& q_rows, const at::Tensor& grad_rows, const at::Tensor& k_rows,
-                    const at::Tensor& v_rows, const scalar_t* beta, const scalar_t* lse, const scalar_t* delta,
-                    int64_t t0, int64_t s0, scalar_t scale, at::Tensor probs, at::Tensor dlogits) {
-  const int64_t nq = q_rows.size(0), nk = k_rows.size(0);
-  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
-  at::mm_out(probs, q_rows, k_rows.t());
-  at::mm_out(dlogits, grad_rows, v_rows.t());
-  scalar_t* p = probs.mutable_data_ptr<scalar_t>();
-  for (int64_t r = 0; r < nq; ++r) {
-    const int64_t t = t0 + r, visible = std::clamp<int64_t>(t - s0 + 1, 0, nk);
-    scalar_t* pr = p + r * nk;
-    for (int64_t c = 0; c < visible; ++c)
-      pr[c] = pr[c] * scale + static_cast<scalar_t>(t - s0 - c) * beta[s0 + c] - lse[t];
-    std::fill(pr + visible, pr + nk, minus_inf);
-  }
-  probs.exp_();
-  scalar_t* ds = dlogits.mutable_data_ptr<scalar_t>();
-  for (int64_t r = 0; r < nq; ++r) {
-    const scalar_t delta_t = delta[t0 + r];
-    for (int64_t c = 0; c < nk; ++c) ds[r * nk + c] = p[r * nk + c] * (ds[r * nk + c] - delta_t);
-  }
-}
-
 // Backward in two parallel passes so that every output element has one writer (no atomics, deterministic):
 // pass 1 over (row, query block) accumulates dQ = scale·dS·K; pass 2 over (KV row, key block) sums the
 // group's query heads into dV = Pᵀ·dO, dK = scale·dSᵀ·Q and d log_beta_i = Σ_t dS[t,i]·(t−i) (the bias
-// (t−i)·log_beta_i enters the logit unscaled). Each pass recomputes P and dS tile by tile.
+// (t−i)·log_beta_i enters the logit unscaled). Each pass recomputes its tiles of P = exp(logit − lse) and
+// dS = P ∘ (dO·vᵀ − Δ_t) (FlashAttention-2, Alg. 2); pass 2 forms them transposed, keys along the rows, so that
+// its products and the d log_beta sums read them row by row.
 template <typename scalar_t>
 void backward_blocked(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& log_beta, const at::Tensor& out, const at::Tensor& lse,
@@ -164,79 +173,112 @@ void backward_blocked(const at::Tensor& grad_out, const at::Tensor& q, const at:
   const int64_t query_blocks = (T + query_block - 1) / query_block;
   const int64_t key_blocks = (T + key_block - 1) / key_block;
   const scalar_t scale = scalar_t(1) / std::sqrt(static_cast<scalar_t>(D));
-  const scalar_t* log_beta_data = log_beta.const_data_ptr<scalar_t>();
-  const scalar_t* lse_data = lse.const_data_ptr<scalar_t>();
+  const scalar_t minus_inf = -std::numeric_limits<scalar_t>::infinity();
+  const scalar_t *q_data = q.const_data_ptr<scalar_t>(), *k_data = k.const_data_ptr<scalar_t>();
+  const scalar_t *v_data = v.const_data_ptr<scalar_t>(), *g_data = grad_out.const_data_ptr<scalar_t>();
+  const scalar_t *log_beta_data = log_beta.const_data_ptr<scalar_t>(), *lse_data = lse.const_data_ptr<scalar_t>();
 
   // Δ_t = dO_t·O_t = Σ_i P[t,i]·dP[t,i], the softmax backward's row term.
   const at::Tensor delta = at::empty({rows, T}, q.options());
   {
-    const scalar_t* g = grad_out.const_data_ptr<scalar_t>();
     const scalar_t* o = out.const_data_ptr<scalar_t>();
     scalar_t* dl = delta.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows * T, 256, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         scalar_t sum = 0;
-        for (int64_t d = 0; d < D; ++d) sum += g[t * D + d] * o[t * D + d];
+        for (int64_t d = 0; d < D; ++d) sum += g_data[t * D + d] * o[t * D + d];
         dl[t] = sum;
       }
     });
   }
   const scalar_t* delta_data = delta.const_data_ptr<scalar_t>();
 
-  at::parallel_for(0, rows * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor probs_tile = at::empty({query_block * key_block}, q.options());
-    const at::Tensor dlogits_tile = at::empty({query_block * key_block}, q.options());
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / query_blocks, kv_row = row / group;
-      const int64_t t0 = (task % query_blocks) * query_block, nq = std::min(query_block, T - t0);
-      const at::Tensor q_rows = q[row].narrow(0, t0, nq), grad_rows = grad_out[row].narrow(0, t0, nq);
-      const at::Tensor dq_rows = grad_q[row].narrow(0, t0, nq);
-      dq_rows.zero_();
-      for (int64_t s0 = 0; s0 < t0 + nq; s0 += key_block) {
-        const int64_t nk = std::min(key_block, T - s0);
-        const at::Tensor k_rows = k[kv_row].narrow(0, s0, nk);
-        const at::Tensor probs = probs_tile.narrow(0, 0, nq * nk).view({nq, nk});
-        const at::Tensor dlogits = dlogits_tile.narrow(0, 0, nq * nk).view({nq, nk});
-        recompute_tile<scalar_t>(q_rows, grad_rows, k_rows, v[kv_row].narrow(0, s0, nk), log_beta_data + kv_row * T,
-                                 lse_data + row * T, delta_data + row * T, t0, s0, scale, probs, dlogits);
-        dq_rows.addmm_(dlogits, k_rows, 1, scale);
+  // Pass 1: dQ. P and dP = dO·vᵀ per (query block, key block) tile.
+  {
+    const at::Tensor k_t = transposed_rows(k), v_t = transposed_rows(v);
+    const scalar_t *kt_data = k_t.const_data_ptr<scalar_t>(), *vt_data = v_t.const_data_ptr<scalar_t>();
+    scalar_t* dq_data = grad_q.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows * query_blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> probs(static_cast<size_t>(query_block * key_block)), dlogits(probs.size());
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t row = task / query_blocks, kv_row = row / group;
+        const int64_t t0 = (task % query_blocks) * query_block, nq = std::min(query_block, T - t0);
+        const scalar_t *beta = log_beta_data + kv_row * T, *row_lse = lse_data + row * T, *row_delta = delta_data + row * T;
+        scalar_t* dq = dq_data + (row * T + t0) * D;
+        for (int64_t s0 = 0; s0 < t0 + nq; s0 += key_block) {
+          const int64_t nk = std::min(key_block, T - s0);
+          scalar_t *p = probs.data(), *ds = dlogits.data();
+          tile_gemm(nq, nk, D, q_data + (row * T + t0) * D, D, kt_data + kv_row * D * T + s0, T, p, nk, false);
+          tile_gemm(nq, nk, D, g_data + (row * T + t0) * D, D, vt_data + kv_row * D * T + s0, T, ds, nk, false);
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t t = t0 + r, visible = std::clamp<int64_t>(t - s0 + 1, 0, nk);
+            scalar_t* pr = p + r * nk;
+            for (int64_t c = 0; c < visible; ++c)
+              pr[c] = pr[c] * scale + static_cast<scalar_t>(t - s0 - c) * beta[s0 + c] - row_lse[t];
+            std::fill(pr + visible, pr + nk, minus_inf);
+          }
+          exp_nonpositive_in_place(p, nq * nk);
+          for (int64_t r = 0; r < nq; ++r) {
+            const scalar_t delta_t = row_delta[t0 + r];
+            for (int64_t c = 0; c < nk; ++c) ds[r * nk + c] = p[r * nk + c] * (ds[r * nk + c] - delta_t);
+          }
+          tile_gemm(nq, D, nk, ds, nk, k_data + (kv_row * T + s0) * D, D, dq, D, s0 > 0);
+        }
+        for (int64_t i = 0; i < nq * D; ++i) dq[i] *= scale;
       }
-    }
-  });
+    });
+  }
 
+  // Pass 2: dK, dV, d log_beta. Tiles transposed: Pᵀ = exp(k·qᵀ·scale + bias − lse) and dSᵀ, [key, query].
+  const at::Tensor q_t = transposed_rows(q), g_t = transposed_rows(grad_out);
+  const scalar_t *qt_data = q_t.const_data_ptr<scalar_t>(), *gt_data = g_t.const_data_ptr<scalar_t>();
+  scalar_t *dk_data = grad_k.mutable_data_ptr<scalar_t>(), *dv_data = grad_v.mutable_data_ptr<scalar_t>();
   scalar_t* grad_log_beta_data = grad_log_beta.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, kv_rows * key_blocks, 1, [&](int64_t begin, int64_t end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const at::Tensor probs_tile = at::empty({query_block * key_block}, q.options());
-    const at::Tensor dlogits_tile = at::empty({query_block * key_block}, q.options());
-    std::vector<scalar_t> dbeta(key_block);
+    std::vector<scalar_t> probs(static_cast<size_t>(query_block * key_block)), dlogits(probs.size());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv_row = task / key_blocks;
       const int64_t s0 = (task % key_blocks) * key_block, nk = std::min(key_block, T - s0);
-      const at::Tensor k_rows = k[kv_row].narrow(0, s0, nk), v_rows = v[kv_row].narrow(0, s0, nk);
-      const at::Tensor dk_rows = grad_k[kv_row].narrow(0, s0, nk), dv_rows = grad_v[kv_row].narrow(0, s0, nk);
-      dk_rows.zero_();
-      dv_rows.zero_();
-      std::fill_n(dbeta.begin(), nk, scalar_t(0));
+      const scalar_t* beta = log_beta_data + kv_row * T;
+      const scalar_t *k_rows = k_data + (kv_row * T + s0) * D, *v_rows = v_data + (kv_row * T + s0) * D;
+      scalar_t *dk = dk_data + (kv_row * T + s0) * D, *dv = dv_data + (kv_row * T + s0) * D;
+      scalar_t* dbeta = grad_log_beta_data + kv_row * T + s0;
+      std::fill_n(dk, nk * D, scalar_t(0));
+      std::fill_n(dv, nk * D, scalar_t(0));
+      std::fill_n(dbeta, nk, scalar_t(0));
       for (int64_t row = kv_row * group; row < (kv_row + 1) * group; ++row) {
+        const scalar_t *row_lse = lse_data + row * T, *row_delta = delta_data + row * T;
         // Query blocks ending before s0 only see earlier keys.
         for (int64_t t0 = s0 / query_block * query_block; t0 < T; t0 += query_block) {
           const int64_t nq = std::min(query_block, T - t0);
-          const at::Tensor q_rows = q[row].narrow(0, t0, nq), grad_rows = grad_out[row].narrow(0, t0, nq);
-          const at::Tensor probs = probs_tile.narrow(0, 0, nq * nk).view({nq, nk});
-          const at::Tensor dlogits = dlogits_tile.narrow(0, 0, nq * nk).view({nq, nk});
-          recompute_tile<scalar_t>(q_rows, grad_rows, k_rows, v_rows, log_beta_data + kv_row * T, lse_data + row * T,
-                                   delta_data + row * T, t0, s0, scale, probs, dlogits);
-          dv_rows.addmm_(probs.t(), grad_rows);
-          dk_rows.addmm_(dlogits.t(), q_rows, 1, scale);
-          // Masked entries have dS = 0, so their negative ages add nothing.
-          const scalar_t* ds = dlogits.const_data_ptr<scalar_t>();
-          for (int64_t r = 0; r < nq; ++r)
-            for (int64_t c = 0; c < nk; ++c) dbeta[c] += ds[r * nk + c] * static_cast<scalar_t>(t0 + r - s0 - c);
+          scalar_t *pt = probs.data(), *dst = dlogits.data();
+          tile_gemm(nk, nq, D, k_rows, D, qt_data + row * D * T + t0, T, pt, nq, false);
+          tile_gemm(nk, nq, D, v_rows, D, gt_data + row * D * T + t0, T, dst, nq, false);
+          for (int64_t c = 0; c < nk; ++c) {
+            const int64_t i = s0 + c, first = std::clamp<int64_t>(i - t0, 0, nq);  // queries t ≥ i see key i
+            scalar_t* pc = pt + c * nq;
+            std::fill(pc, pc + first, minus_inf);
+            for (int64_t r = first; r < nq; ++r)
+              pc[r] = pc[r] * scale + static_cast<scalar_t>(t0 + r - i) * beta[i] - row_lse[t0 + r];
+          }
+          exp_nonpositive_in_place(pt, nk * nq);
+          for (int64_t c = 0; c < nk; ++c) {
+            const int64_t i = s0 + c;
+            scalar_t* dsc = dst + c * nq;
+            const scalar_t* pc = pt + c * nq;
+            scalar_t sum = 0;
+            // Masked entries have P = 0, so dS = 0 there and their negative ages add nothing.
+            for (int64_t r = 0; r < nq; ++r) {
+              dsc[r] = pc[r] * (dsc[r] - row_delta[t0 + r]);
+              sum += dsc[r] * static_cast<scalar_t>(t0 + r - i);
+            }
+            dbeta[c] += sum;
+          }
+          tile_gemm(nk, D, nq, pt, nq, g_data + (row * T + t0) * D, D, dv, D, true);
+          tile_gemm(nk, D, nq, dst, nq, q_data + (row * T + t0) * D, D, dk, D, true);
         }
       }
-      std::copy_n(dbeta.begin(), nk, grad_log_beta_data + kv_row * T + s0);
+      for (int64_t i = 0; i < nk * D; ++i) dk[i] *= scale;
     }
   });
 }

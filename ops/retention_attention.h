@@ -9,7 +9,7 @@
 // only the row logsumexp [B, Hq, T]; the backward recomputes the probabilities block by block. No T×T
 // tensor exists on either path. Dispatcher ops kvbound::retention_attention_fwd / _bwd, with a CPU kernel
 // (blocked, parallel over batch × head × query block; float32/float64 arithmetic, bf16/fp16 computed in
-// float32) and CUDA kernels (ops/retention_attention_cuda.cu; fp32/bf16/fp16 inputs, fp32 accumulation; bf16/fp16
+// float32; float32 tile products by oneDNN's brgemm micro-kernel) and CUDA kernels (ops/retention_attention_cuda.cu; fp32/bf16/fp16 inputs, fp32 accumulation; bf16/fp16
 // with head dim 64 or 128 on tensor cores, ops/retention_attention_mma.cu).
 #pragma once
 #include <ATen/core/Tensor.h>
