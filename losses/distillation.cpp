@@ -1,5 +1,6 @@
 #include "losses/distillation.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
@@ -11,6 +12,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cstdint>
+
+#include "ops/amx_panels.h"
 
 namespace kvbound::losses {
 namespace {
@@ -64,6 +68,42 @@ Rows flatten(const at::Tensor& student, const at::Tensor& teacher, const at::Ten
           at::where(weights.reshape({-1}).gt(0), targets.reshape({-1}), 0), w / w.sum()};
 }
 
+// The logits h·Wᵀ of a block of rows, float32, into the first rows of a [rows, columns()] buffer (V columns
+// used). Bfloat16 hidden states and head on an AMX CPU take the tile units (ops/amx_panels.h: the head packed once
+// per loss, exact bf16 products summed in float32, as the float32 GEMM of the same widened values sums them in
+// another order; the buffer's rows padded to whole panels of 64); anything else the float32 GEMM.
+class HeadLogits {
+ public:
+  HeadLogits(const at::Tensor& head, const at::Tensor& hidden)
+      : vocab_(head.size(0)),
+        tiles_(hidden.is_cpu() && head.is_cpu() && hidden.scalar_type() == at::kBFloat16 &&
+               head.scalar_type() == at::kBFloat16 && head.size(1) % 2 == 0 && ops::amx::bf16_available()) {
+    if (tiles_) packed_ = ops::amx::pack_transposed_panels(head.contiguous());
+  }
+  int64_t columns() const { return tiles_ ? (vocab_ + ops::amx::kPanel - 1) / ops::amx::kPanel * ops::amx::kPanel : vocab_; }
+  void into(const at::Tensor& buffer, const at::Tensor& hidden_rows, const at::Tensor& head_float) const {
+    const int64_t n = hidden_rows.size(0), d = hidden_rows.size(1);
+    if (!tiles_) {
+      at::Tensor out = buffer.narrow(0, 0, n);
+      at::mm_out(out, hidden_rows.to(at::kFloat), head_float.t());
+      return;
+    }
+    const at::Tensor a = hidden_rows.contiguous();
+    const auto* a_bits = static_cast<const uint16_t*>(a.const_data_ptr());
+    const auto* panels = static_cast<const uint16_t*>(packed_.const_data_ptr());
+    float* out = buffer.mutable_data_ptr<float>();
+    at::parallel_for(0, columns() / ops::amx::kPanel, 8, [&](int64_t first, int64_t last) {
+      ops::amx::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
+      ops::amx::release();
+    });
+  }
+
+ private:
+  int64_t vocab_;
+  bool tiles_;
+  at::Tensor packed_;
+};
+
 // Replaces each row of `logits` ([n, V], a view of a buffer the loss allocated once) by its softmax, written into
 // `probs` (which may be `logits` itself: in place, because any out-of-place step would allocate another [n, V]
 // tensor); returns each row's logsumexp. Teacher and student rows go through this one function, so equal
@@ -101,18 +141,18 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
     const at::Tensor kl_rows = at::empty({N}, in.head.options()), ce_rows = at::empty({N}, in.head.options());
     const at::Tensor kl_grad = gradient_follows ? at::empty({N, d}, in.head.options()) : at::Tensor();
     const at::Tensor expected_s = gradient_follows && ce_gradient ? at::empty({N, d}, in.head.options()) : at::Tensor();
+    const HeadLogits head_logits(head, student);
     const int64_t buffer_rows = std::min(block_rows, N);
-    const at::Tensor logits_buffer = at::empty({buffer_rows, V}, in.head.options());
-    const at::Tensor teacher_buffer = at::empty({buffer_rows, V}, in.head.options());
+    const at::Tensor logits_buffer = at::empty({buffer_rows, head_logits.columns()}, in.head.options());
+    const at::Tensor teacher_buffer = at::empty({buffer_rows, head_logits.columns()}, in.head.options());
     for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
       const int64_t n = std::min(block_rows, N - r0);
-      at::Tensor logits = logits_buffer.narrow(0, 0, n), p_t = teacher_buffer.narrow(0, 0, n);
+      at::Tensor logits = logits_buffer.narrow(0, 0, n).narrow(1, 0, V), p_t = teacher_buffer.narrow(0, 0, n).narrow(1, 0, V);
       const at::Tensor s = in.student.narrow(0, r0, n).to(at::kFloat);
-      const at::Tensor t = in.teacher.narrow(0, r0, n).to(at::kFloat);
-      at::mm_out(logits, t, in.head.t());
+      head_logits.into(logits_buffer, in.teacher.narrow(0, r0, n), in.head);
       const at::Tensor lse_t = softmax_rows(logits, p_t);
       const at::Tensor teacher_mean_logit = row_dot(p_t, logits);  // Σ p_t·z_t
-      at::mm_out(logits, s, in.head.t());
+      head_logits.into(logits_buffer, in.student.narrow(0, r0, n), in.head);
       const at::Tensor cross_mean_logit = row_dot(p_t, logits);  // Σ p_t·z_s
       at::Tensor& p_s = logits;
       const at::Tensor lse_s = softmax_rows(logits, p_s);

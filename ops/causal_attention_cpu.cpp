@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "ops/amx_panels.h"
 #include "ops/cpu_vector.h"
 
 namespace kvbound::ops {
@@ -19,9 +20,8 @@ namespace {
 namespace cpublas = at::native::cpublas;
 using Bits = uint16_t;  // bfloat16 as its bits; the cpublas calls take at::BFloat16
 
-// Keys per packed block of Kᵀ and columns per packed slice of V: oneDNN's pack writes the leading dimensions 16,
-// 32, 48 and 64 only.
-constexpr int64_t kBlock = 64;
+// Keys per packed panel of Kᵀ and per packed block of V, columns per packed slice of V.
+constexpr int64_t kBlock = amx::kPanel;
 constexpr int64_t kMinQueries = 192;  // below it SDPA's kernel was as fast or faster (bench_cpu_attention)
 constexpr int64_t kMaxKeys = 4096;
 // Score rows per task (a GQA group's heads × a block of queries): up to 256, so a task's scores stay ~4 MiB at
@@ -31,20 +31,6 @@ constexpr int64_t kMaxRows = 256;
 constexpr int64_t kScoreStride = kMaxKeys + 16;  // not a power of two: rows do not share cache sets
 
 const at::BFloat16* as_bf16(const Bits* p) { return reinterpret_cast<const at::BFloat16*>(p); }
-
-// Kᵀ of one head's keys [N, D] (row stride ld) as blocks of 64 keys, each [D, 64] in the packed layout; keys past
-// N are zero (masked out of every score row).
-void pack_keys(const Bits* keys, int64_t ld, int64_t N, int64_t D, Bits* packed, std::vector<Bits>& scratch) {
-  scratch.assign(static_cast<size_t>(D * kBlock), 0);
-  for (int64_t j0 = 0; j0 < N; j0 += kBlock) {
-    const int64_t n = std::min(kBlock, N - j0);
-    if (n < kBlock) std::fill(scratch.begin(), scratch.end(), Bits{0});
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) scratch[static_cast<size_t>(d * kBlock + j)] = keys[(j0 + j) * ld + d];
-    cpublas::pack(D, kBlock, kBlock, kBlock, at::kBFloat16, at::kBFloat16, scratch.data(),
-                  packed + (j0 / kBlock) * D * kBlock);
-  }
-}
 
 // One head's values [N, D] as, per 64 columns of D, blocks of 64 keys [64, 64] in the packed layout (rows past N
 // zero: their weights are zero too). The layout interleaves pairs of keys, so a slice's blocks side by side are
@@ -109,7 +95,7 @@ bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys,
     return false;
   if (q.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1) return false;
   if (at::GradMode::is_enabled() && (q.requires_grad() || keys.requires_grad() || values.requires_grad())) return false;
-  return cpublas::could_pack(at::kBFloat16);  // asked each time: it follows at::globalContext()'s mkldnn switch
+  return amx::bf16_available();
 }
 
 bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
@@ -137,7 +123,9 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
     std::vector<Bits> scratch;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
-      pack_keys(k_data + b * keys.stride(0) + h * keys.stride(1), keys.stride(2), N, D, pk + bh * padded * D, scratch);
+      // Kᵀ in panels of 64 keys, keys past N zero (masked out of every score row).
+      amx::pack_transposed_panels(k_data + b * keys.stride(0) + h * keys.stride(1), keys.stride(2), N, D,
+                                  pk + bh * padded * D);
       pack_values(v_data + b * values.stride(0) + h * values.stride(1), values.stride(2), N, D, pv + bh * padded * D,
                   scratch);
     }
@@ -169,9 +157,7 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
                       q_rows.get() + (g * qn + t) * D);
       // The block's last query sees cached + s0 + qn keys; earlier rows mask the rest of that width.
       const int64_t blocks = (cached + s0 + qn + kBlock - 1) / kBlock, width = blocks * kBlock;
-      for (int64_t j = 0; j < blocks; ++j)
-        cpublas::brgemm(rows, kBlock, D, D, kBlock, kScoreStride, false, as_bf16(q_rows.get()),
-                        as_bf16(pk + bh * padded * D + j * D * kBlock), scores.get() + j * kBlock);
+      amx::multiply_panels(q_rows.get(), rows, D, D, pk + bh * padded * D, 0, blocks, scores.get(), kScoreStride);
       for (int64_t r = 0; r < rows; ++r)
         softmax_row(scores.get() + r * kScoreStride, weights.get() + r * width, cached + s0 + r % qn + 1, width,
                     scale, row_max[static_cast<size_t>(r)], row_sum[static_cast<size_t>(r)]);
@@ -185,7 +171,7 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
           lse_data[(b * Hq + head) * T + t] = row_max[static_cast<size_t>(r)] + std::log(row_sum[static_cast<size_t>(r)]);
       }
     }
-    cpublas::brgemm_release();
+    amx::release();
   });
   if (logsumexp) *logsumexp = lse;
   return out.transpose(1, 2);

@@ -1,6 +1,7 @@
 // TRIM-KV quality terms (losses/distillation.h): the blocked loss against the full-logits reference (values
 // and gradients, 0/1 masks and fractional weights, one block and many, bfloat16 hidden states), the kl-only
 // mode, the teacher == student fixed point, input errors, and the memory bound measured with a counting CPU allocator.
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/rand.h>
@@ -173,6 +174,37 @@ TEST(Distillation, BFloat16HiddenStatesComputeInFloat) {
   // Rounded once to bf16: within half a bf16 ulp (2^-8 relative) of the float gradient.
   expect_close(blocked.grad_kl, exact.grad_kl, 1.0 / 256, "bf16 grad of kl");
   expect_close(blocked.grad_ce, exact.grad_ce, 1.0 / 256, "bf16 grad of ce");
+}
+
+// A bfloat16 head with bfloat16 hidden states: on an AMX CPU the logits come from the tile units (the head packed
+// in panels of 64 rows, a vocabulary of 130 leaving a partial panel), elsewhere from the float32 GEMM; either way
+// the terms equal the formula on the same values widened to float32, and a student equal to its teacher has a KL
+// of exactly 0.
+TEST(Distillation, BFloat16HeadEqualsTheWidenedFormula) {
+  at::manual_seed(9);
+  for (const int64_t V : {64, 130})
+    for (const int64_t d : {16, 64}) {
+      LossInputs in = random_inputs(2, 45, d, V, true, at::kBFloat16);
+      in.head = in.head.to(at::kBFloat16);
+      const TermsAndGrads blocked = terms_and_grads(in, [](const LossInputs& x) {
+        return losses::distillation_loss(x.student, x.teacher, x.head, x.targets, x.weights, 16);
+      });
+      LossInputs widened = in;
+      widened.student = in.student.detach().to(at::kFloat).requires_grad_(true);
+      widened.teacher = in.teacher.to(at::kFloat);
+      widened.head = in.head.to(at::kFloat);
+      const TermsAndGrads exact = terms_and_grads(widened, [](const LossInputs& x) {
+        return losses::distillation_loss_reference(x.student, x.teacher, x.head, x.targets, x.weights);
+      });
+      const std::string what = "V " + std::to_string(V) + " d " + std::to_string(d);
+      expect_close(blocked.kl, exact.kl, 1e-6, what + " kl");
+      expect_close(blocked.ce, exact.ce, 1e-6, what + " ce");
+      expect_close(blocked.grad_kl, exact.grad_kl, 1.0 / 256, what + " grad of kl");
+      expect_close(blocked.grad_ce, exact.grad_ce, 1.0 / 256, what + " grad of ce");
+      const at::AutoGradMode no_grad(false);
+      const at::Tensor same = in.teacher;
+      EXPECT_EQ(losses::distillation_loss(same, same, in.head, in.targets, in.weights, 16).kl.item<float>(), 0.0f) << what;
+    }
 }
 
 TEST(Distillation, TeacherEqualsStudentHasZeroKl) {
