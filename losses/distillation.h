@@ -4,7 +4,8 @@
 //   kl = Σ_{b,t} w[b,t]·KL(softmax(th[b,t]·Wᵀ) ‖ softmax(sh[b,t]·Wᵀ)) / Σ w
 //   ce = Σ_{b,t} w[b,t]·(−log softmax(sh[b,t]·Wᵀ)[target[b,t]]) / Σ w
 //
-// Memory-bounded: logits exist for block_rows positions at a time (float32), in the forward only, so no
+// Memory-bounded: logits exist for block_rows positions at a time (float32; with bfloat16 hidden states and head
+// on an AMX CPU their products run on the tile units, ops/amx_panels.h), in the forward only, so no
 // [B·T, V] tensor is ever allocated; peak extra memory is two [block_rows, V] float buffers and, for the
 // backward, one or two [B·T, d] float tensors (plus a float32 copy of the head when it is stored in another
 // dtype).
