@@ -45,6 +45,15 @@ inline int32_t integer_of_shifted(float shifted) {
   return static_cast<int32_t>(u - 0x4B400000u);
 }
 
+// c[0]·x^(K−1) + c[1]·x^(K−2) + … + c[K−1] by Horner's rule, one multiply and one add per coefficient in this
+// order (so every caller rounds alike).
+template <int K>
+inline float horner(float x, const float (&c)[K]) {
+  float p = c[0];
+  for (int i = 1; i < K; ++i) p = p * x + c[i];
+  return p;
+}
+
 // 2^n for an integer n in [−127, 128): the exponent bits (n = −127 gives the bits of 0).
 inline float power_of_two(int32_t n) {
   const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;
@@ -65,13 +74,9 @@ inline float exp_float(float x) {
   const float shifted = shifted_by_round_constant(x * 1.44269504088896341f);
   const float nf = shifted - 12582912.f;
   const float r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e_r = p * r * r + r + 1.f;
+  constexpr float kExpCoefficients[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                        4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  const float e_r = horner(r, kExpCoefficients) * r * r + r + 1.f;
   return e_r * power_of_two(integer_of_shifted(shifted));
 }
 
@@ -83,13 +88,9 @@ inline float exp2_nonpositive(float y) {
   y = y < -150.f ? -150.f : y;
   const float shifted = shifted_by_round_constant(y);
   const float f = y - (shifted - 12582912.f);
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
+  constexpr float kExp2Coefficients[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                         5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+  const float p = horner(f, kExp2Coefficients);
   int32_t n = integer_of_shifted(shifted);
   n = n < -127 ? -127 : n;
   return p * power_of_two(n);
