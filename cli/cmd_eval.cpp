@@ -10,6 +10,7 @@
 #include <iostream>
 #include <set>
 
+#include "cli/parse_arguments.h"
 #include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
@@ -71,7 +72,7 @@ int cmd_eval(int argc, char** argv) {
   o.add_options()("config", "YAML config (see configs/eval/)", cxxopts::value<std::string>())("h,help", "show help");
   o.parse_positional({"config"});
   o.positional_help("CONFIG");
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\npolicies (eval.policies; any bounded one also as POLICY+mem, with a latent memory):\n";
     for (const PolicyRegistration* p : policy_registry())

@@ -8,6 +8,7 @@
 #include <cxxopts.hpp>
 #include <iostream>
 
+#include "cli/parse_arguments.h"
 #include "base/errors.h"
 #include "checkpoints/safetensors_io.h"
 #include "cli/commands.h"
@@ -31,7 +32,7 @@ int cmd_export(int argc, char** argv) {
       "h,help", "show help");
   o.parse_positional({"run_dir"});
   o.positional_help("RUN_DIR");
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\n";
     return 0;

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli/parse_arguments.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "cli/commands.h"
@@ -115,7 +116,7 @@ int cmd_generate(int argc, char** argv) {
       cxxopts::value<std::string>())("samples", "continuations per prompt, decoded as one batch",
                                      cxxopts::value<std::int64_t>()->default_value("1"))(
       "out", "with --prompts: the .jsonl file to write ({\"prompt\", \"text\"} per sample)", cxxopts::value<std::string>());
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\n";
     return 0;

@@ -2,6 +2,7 @@
 #include <cxxopts.hpp>
 #include <iostream>
 
+#include "cli/parse_arguments.h"
 #include "cli/commands.h"
 #include "cli/model_setup.h"
 #include "modules/backbone.h"
@@ -11,7 +12,7 @@ namespace kvbound {
 int cmd_info(int argc, char** argv) {
   cxxopts::Options o("kvbound info", "Print a model's architecture, sizes, stored dtypes and parameter count.");
   add_model_options(o);
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\n";
     return 0;

@@ -19,6 +19,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "cli/parse_arguments.h"
 #include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
@@ -79,7 +80,7 @@ int cmd_inspect(int argc, char** argv) {
       "h,help", "show help");
   o.parse_positional({"weights"});
   o.positional_help("RUN_OR_EXPORT");
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\n";
     return 0;

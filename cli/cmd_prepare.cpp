@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/parse_arguments.h"
 #include "base/errors.h"
 #include "base/usable_cores.h"
 #include "data/token_dataset.h"
@@ -109,7 +110,7 @@ int cmd_prepare(int argc, char** argv) {
   o.parse_positional({"input"});
   o.positional_help("FILE...");
   o.show_positional_help();
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\n";
     return 0;

@@ -36,6 +36,7 @@
 #include <mutex>
 #include <thread>
 
+#include "cli/parse_arguments.h"
 #include "base/build_options.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
@@ -320,7 +321,7 @@ int cmd_sweep(int argc, char** argv) {
       "dry-run", "print the commands the sweep would run, run nothing")("h,help", "show help");
   o.parse_positional({"sweep"});
   o.positional_help("SWEEP.yaml");
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\n";
     return 0;

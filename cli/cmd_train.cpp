@@ -19,6 +19,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "cli/parse_arguments.h"
 #include "base/errors.h"
 #include "base/usable_cores.h"
 #include "train/run_checkpoint.h"
@@ -185,7 +186,7 @@ int cmd_train(int argc, char** argv) {
       "h,help", "show help");
   o.parse_positional({"config"});
   o.positional_help("CONFIG");
-  const auto r = o.parse(argc, argv);
+  const auto r = parse_arguments(o, argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << "\nmethods (train.method):\n";
     for (const MethodRegistration* m : method_registry())

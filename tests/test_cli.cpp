@@ -193,6 +193,21 @@ TEST(Cli, BadLayerBudgetSharesAreOneLineNamingTheKey) {
 // Every config the repository ships resolves against its command's schema (train for configs/trimkv and
 // configs/indexmem, eval for configs/eval: with the model pointed nowhere, the first error is the model's;
 // configs/sweeps: a dry run resolves its keys and base configs).
+// Every config override is its own --set: a second key=value after one --set is refused in one line naming it,
+// before anything runs (cxxopts would set it aside and the run would go on without it).
+TEST(Cli, AnArgumentNoOptionTakesIsRefused) {
+  const fs::path out = fs::temp_directory_path() / ("kvbound_cli_stray_" + std::to_string(::getpid()));
+  const std::string config = quote(std::string(KVBOUND_CONFIGS) + "/trimkv/stories260k.yaml");
+  for (const std::string& args : {"train " + config + " --set train.steps=2 run.out_dir=" + out.string(),
+                                  "eval " + config + " stray", "info --model " + quote(kvbound::test::default_model()) + " stray"}) {
+    const CliRun r = run(args);
+    EXPECT_EQ(r.code, 1) << args;
+    EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << args << ": " << r.err;
+    EXPECT_NE(r.err.find("error: arguments: unexpected '"), std::string::npos) << args << ": " << r.err;
+  }
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST(Cli, EveryShippedConfigResolves) {
   int seen = 0;
   for (const auto& entry : fs::recursive_directory_iterator(KVBOUND_CONFIGS)) {
