@@ -56,7 +56,7 @@ void pack_values(const Bits* values, int64_t ld, int64_t N, int64_t D, Bits* pac
 KVBOUND_VECTOR_CLONES void softmax_row(float* s, Bits* p, int64_t visible, int64_t width, float scale,
                                         float& row_max, float& row_sum) {
   constexpr int kLanes = 16;
-  const int64_t chunked = (visible + kLanes - 1) / kLanes * kLanes;  // ≤ width, a multiple of 64
+  const int64_t chunked = (visible + kLanes - 1) / kLanes * kLanes;  // ≤ width (a multiple of 64)
   std::fill(s + visible, s + chunked, -std::numeric_limits<float>::infinity());
   // 16 running maxima, then one: a `reduction(max)` loop stays scalar here, one dependent max per key.
   float lane[kLanes];
