@@ -2,19 +2,19 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "ops/amx_panels.h"
+#include "ops/distillation_rows.h"
 
 namespace kvbound::losses {
 namespace {
@@ -54,122 +54,89 @@ void check_inputs(const char* fn, const at::Tensor& student, const at::Tensor& t
 
 // The inputs as the blocked loops read them: positions flattened to rows.
 struct Rows {
-  at::Tensor student, teacher;  // [N, d], stored dtype (converted to float32 a block at a time)
-  at::Tensor head;              // [V, d] float32 (no copy when it already is)
+  at::Tensor student, teacher;  // [N, d], stored dtype
   at::Tensor targets;           // [N]; 0 where the weight is 0, so that every row indexes a real token
   at::Tensor coef;              // [N] float32: w / Σw
 };
 
-Rows flatten(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& head, const at::Tensor& targets,
+Rows flatten(const at::Tensor& student, const at::Tensor& teacher, const at::Tensor& targets,
              const at::Tensor& weights) {
   const int64_t d = student.size(2);
   const at::Tensor w = weights.reshape({-1}).to(at::kFloat);
-  return {student.reshape({-1, d}), teacher.reshape({-1, d}), head.to(at::kFloat),
+  return {student.reshape({-1, d}), teacher.reshape({-1, d}),
           at::where(weights.reshape({-1}).gt(0), targets.reshape({-1}), 0), w / w.sum()};
 }
 
-// The logits h·Wᵀ of a block of rows, float32, into the first rows of a [rows, columns()] buffer (V columns
-// used). Bfloat16 hidden states and head on an AMX CPU take the tile units (ops/amx_panels.h: the head packed once
-// per loss, exact bf16 products summed in float32, as the float32 GEMM of the same widened values sums them in
-// another order; the buffer's rows padded to whole panels of 64); anything else the float32 GEMM.
-class HeadLogits {
- public:
-  HeadLogits(const at::Tensor& head, const at::Tensor& hidden)
-      : vocab_(head.size(0)),
-        tiles_(hidden.is_cpu() && head.is_cpu() && hidden.scalar_type() == at::kBFloat16 &&
-               head.scalar_type() == at::kBFloat16 && head.size(1) % 2 == 0 && ops::amx::bf16_available()) {
-    if (tiles_) packed_ = ops::amx::pack_transposed_panels(head.contiguous());
-  }
-  int64_t columns() const { return tiles_ ? (vocab_ + ops::amx::kPanel - 1) / ops::amx::kPanel * ops::amx::kPanel : vocab_; }
-  void into(const at::Tensor& buffer, const at::Tensor& hidden_rows, const at::Tensor& head_float) const {
-    const int64_t n = hidden_rows.size(0), d = hidden_rows.size(1);
-    if (!tiles_) {
-      at::Tensor out = buffer.narrow(0, 0, n);
-      at::mm_out(out, hidden_rows.to(at::kFloat), head_float.t());
-      return;
-    }
-    const at::Tensor a = hidden_rows.contiguous();
-    const auto* a_bits = static_cast<const uint16_t*>(a.const_data_ptr());
-    const auto* panels = static_cast<const uint16_t*>(packed_.const_data_ptr());
-    float* out = buffer.mutable_data_ptr<float>();
-    at::parallel_for(0, columns() / ops::amx::kPanel, 8, [&](int64_t first, int64_t last) {
-      ops::amx::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
-      ops::amx::release();
-    });
-  }
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
- private:
-  int64_t vocab_;
-  bool tiles_;
-  at::Tensor packed_;
-};
-
-// Replaces each row of `logits` ([n, V], a view of a buffer the loss allocated once) by its softmax, written into
-// `probs` (which may be `logits` itself: in place, because any out-of-place step would allocate another [n, V]
-// tensor); returns each row's logsumexp. Teacher and student rows go through this one function, so equal
-// logits give bitwise-equal probabilities and logsumexps (a KL of exactly 0 for a student equal to its teacher).
-at::Tensor softmax_rows(const at::Tensor& logits, at::Tensor& probs) {
-  const at::Tensor max = logits.amax(1, /*keepdim=*/true);
-  at::sub_out(probs, logits, max).exp_();
-  const at::Tensor sum = probs.sum(1, /*keepdim=*/true);
-  probs.div_(sum);
-  return (max + sum.log()).squeeze(1);
-}
-
-// Σ_v a[r, v]·b[r, v] per row of two [n, V] blocks, without an [n, V] product tensor.
-at::Tensor row_dot(const at::Tensor& a, const at::Tensor& b) {
-  return at::bmm(a.unsqueeze(1), b.unsqueeze(2)).view({a.size(0)});
-}
-
-// Both terms need only two [rows, V] buffers at a time because every product of a distribution with the head
-// is taken through the head instead: Σ_v p[v]·W[v] = p·W ([rows, d]). Per block:
-//   KL(p_t ‖ p_s) = Σ_v p_t·z_t − Σ_v p_t·z_s − lse_t + lse_s     (z = h·Wᵀ; two row dots over the buffers)
-//   CE            = lse_s − W[target]·h_s
+// Both terms need only two [rows, V] float buffers at a time because every product of a distribution with the
+// head is taken through the head instead: Σ_v p[v]·W[v] = p·W ([rows, d]). Per block (ops/distillation_rows.h):
+//   KL(p_t ‖ p_s) = Σ_v p_t·(z_t − z_s) − lse_t + lse_s     (z = h·Wᵀ)
+//   CE            = lse_s − z_s[target]
 //   ∂/∂h_s        = g_kl·(p_s − p_t)·W + g_ce·(p_s·W − W[target])   (times w / Σw)
 // The forward keeps G = (p_s − p_t)·W and, when the ce term will be differentiated, E_s = p_s·W ([N, d] each,
-// d/V of the logits' size), so the backward forms no logits: per block two products for the logits and one
-// or two into the head, where recomputing both softmaxes in the backward took seven. Without a gradient to
-// come, only the logits are formed.
+// d/V of the logits' size), so the backward forms no logits. Without a gradient to come, only the logits are
+// formed. On the tile units (DistillationHead::on_tiles) p_s − p_t and p_s go to bfloat16 buffers for their
+// products, as every other product of a bfloat16 forward takes bfloat16 operands.
 class DistillationFunction : public torch::autograd::Function<DistillationFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& student,
-                                                const at::Tensor& teacher, const at::Tensor& head,
-                                                const at::Tensor& targets, const at::Tensor& weights,
+                                                const at::Tensor& teacher, const at::Tensor& targets,
+                                                const at::Tensor& weights, const DistillationHead* head,
                                                 int64_t block_rows, bool gradient_follows, bool ce_gradient) {
-    const Rows in = flatten(student, teacher, head, targets, weights);
-    const int64_t N = in.student.size(0), d = in.head.size(1), V = in.head.size(0);
-    const at::Tensor kl_rows = at::empty({N}, in.head.options()), ce_rows = at::empty({N}, in.head.options());
-    const at::Tensor kl_grad = gradient_follows ? at::empty({N, d}, in.head.options()) : at::Tensor();
-    const at::Tensor expected_s = gradient_follows && ce_gradient ? at::empty({N, d}, in.head.options()) : at::Tensor();
-    const HeadLogits head_logits(head, student);
+    const Rows in = flatten(student, teacher, targets, weights);
+    const bool tiles = head->on_tiles(student);
+    const at::Tensor head_float = tiles ? at::Tensor() : head->float_weight();
+    const int64_t N = in.student.size(0), d = head->weight().size(1), V = head->weight().size(0);
+    const at::TensorOptions f32 = in.student.options().dtype(at::kFloat);
+    const at::Tensor kl_rows = at::empty({N}, f32), ce_rows = at::empty({N}, f32);
+    // On the tiles the products into the head write whole panels of 64 columns: [N, d rounded up], narrowed.
+    const int64_t grad_columns = tiles ? round_up(d, ops::amx::kPanel) : d;
+    const at::Tensor kl_grad = gradient_follows ? at::empty({N, grad_columns}, f32) : at::Tensor();
+    const at::Tensor expected_s = gradient_follows && ce_gradient ? at::empty({N, grad_columns}, f32) : at::Tensor();
     const int64_t buffer_rows = std::min(block_rows, N);
-    const at::Tensor logits_buffer = at::empty({buffer_rows, head_logits.columns()}, in.head.options());
-    const at::Tensor teacher_buffer = at::empty({buffer_rows, head_logits.columns()}, in.head.options());
+    const at::Tensor student_buffer = at::empty({buffer_rows, head->logit_columns(tiles)}, f32);
+    const at::Tensor teacher_buffer = at::empty({buffer_rows, head->logit_columns(tiles)}, f32);
+    // bfloat16 probabilities for the tiles: V rounded up to an even K (the pairs of oneDNN's layout), the padding
+    // columns zero for good.
+    at::Tensor diff_bf16, probs_bf16;
+    if (tiles && gradient_follows) {
+      diff_bf16 = at::zeros({buffer_rows, head->mix_depth()}, in.student.options());
+      if (ce_gradient) probs_bf16 = at::zeros({buffer_rows, head->mix_depth()}, in.student.options());
+    }
     for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
       const int64_t n = std::min(block_rows, N - r0);
-      at::Tensor logits = logits_buffer.narrow(0, 0, n).narrow(1, 0, V), p_t = teacher_buffer.narrow(0, 0, n).narrow(1, 0, V);
-      const at::Tensor s = in.student.narrow(0, r0, n).to(at::kFloat);
-      head_logits.into(logits_buffer, in.teacher.narrow(0, r0, n), in.head);
-      const at::Tensor lse_t = softmax_rows(logits, p_t);
-      const at::Tensor teacher_mean_logit = row_dot(p_t, logits);  // Σ p_t·z_t
-      head_logits.into(logits_buffer, in.student.narrow(0, r0, n), in.head);
-      const at::Tensor cross_mean_logit = row_dot(p_t, logits);  // Σ p_t·z_s
-      at::Tensor& p_s = logits;
-      const at::Tensor lse_s = softmax_rows(logits, p_s);
-      kl_rows.narrow(0, r0, n).copy_(teacher_mean_logit - cross_mean_logit - lse_t + lse_s);
-      const at::Tensor target_rows = in.head.index_select(0, in.targets.narrow(0, r0, n));
-      ce_rows.narrow(0, r0, n).copy_(lse_s - (target_rows * s).sum(1));
+      const at::Tensor z_t = teacher_buffer.narrow(0, 0, n).narrow(1, 0, V);
+      const at::Tensor z_s = student_buffer.narrow(0, 0, n).narrow(1, 0, V);
+      head->logits_into(teacher_buffer, in.teacher.narrow(0, r0, n), head_float, tiles);
+      head->logits_into(student_buffer, in.student.narrow(0, r0, n), head_float, tiles);
+      const at::Tensor block_targets = in.targets.narrow(0, r0, n);
+      const at::Tensor target_logit = z_s.gather(1, block_targets.unsqueeze(1)).squeeze(1);
+      at::Tensor difference, probs;
+      if (gradient_follows) {
+        difference = tiles ? diff_bf16.narrow(0, 0, n).narrow(1, 0, V) : z_s;
+        if (ce_gradient) probs = tiles ? probs_bf16.narrow(0, 0, n).narrow(1, 0, V) : z_t;
+      }
+      const ops::DistillationRows terms = ops::distillation_rows(z_t, z_s, difference, probs);
+      kl_rows.narrow(0, r0, n).copy_(terms.kl);
+      ce_rows.narrow(0, r0, n).copy_(terms.lse_student - target_logit);
       if (!gradient_follows) continue;
-      if (ce_gradient) {
-        at::Tensor e_s = expected_s.narrow(0, r0, n);
-        at::mm_out(e_s, p_s, in.head);
+      if (tiles) {
+        head->mix_into(kl_grad.narrow(0, r0, n), diff_bf16.narrow(0, 0, n));
+        if (ce_gradient) head->mix_into(expected_s.narrow(0, r0, n), probs_bf16.narrow(0, 0, n));
+        continue;
       }
       at::Tensor g = kl_grad.narrow(0, r0, n);
-      at::mm_out(g, p_s.sub_(p_t), in.head);
+      at::mm_out(g, difference, head_float);
+      if (ce_gradient) {
+        at::Tensor e_s = expected_s.narrow(0, r0, n);
+        at::mm_out(e_s, probs, head_float);
+      }
     }
     if (gradient_follows) {
       ctx->saved_data["ce_gradient"] = ce_gradient;
-      ctx->save_for_backward({student, head, in.targets, in.coef, kl_grad, expected_s});  // no logits
+      ctx->save_for_backward({student, head->weight(), in.targets, in.coef, kl_grad.narrow(1, 0, d),
+                              ce_gradient ? expected_s.narrow(1, 0, d) : expected_s});  // no logits
     }
     return {(kl_rows * in.coef).sum(), (ce_rows * in.coef).sum()};
   }
@@ -195,15 +162,81 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
 
 }  // namespace
 
+DistillationHead::DistillationHead(const at::Tensor& head) : weight_(head) {
+  TORCH_CHECK(head.dim() == 2 && head.size(0) > 0 && head.size(1) > 0 && at::isFloatingType(head.scalar_type()),
+              "DistillationHead: head must be a floating-point [V, d] matrix; got ", head.sizes(), " ",
+              head.scalar_type());
+  const int64_t V = head.size(0), d = head.size(1);
+  if (head.is_cpu() && head.scalar_type() == at::kBFloat16 && d % 2 == 0 && ops::amx::bf16_available()) {
+    logit_panels_ = ops::amx::pack_transposed_panels(head.contiguous());
+    // Wᵀ with V rounded up to an even K (a zero column when V is odd), packed in panels of 64 of its d rows.
+    at::Tensor transposed = at::zeros({d, round_up(V, 2)}, head.options());
+    transposed.narrow(1, 0, V).copy_(head.t());
+    mix_panels_ = ops::amx::pack_transposed_panels(transposed);
+    return;
+  }
+  float_ = head.to(at::kFloat);
+}
+
+bool DistillationHead::on_tiles(const at::Tensor& hidden) const {
+  return logit_panels_.defined() && hidden.is_cpu() && hidden.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor DistillationHead::float_weight() const { return float_.defined() ? float_ : weight_.to(at::kFloat); }
+
+int64_t DistillationHead::logit_columns(bool tiles) const {
+  return tiles ? round_up(weight_.size(0), ops::amx::kPanel) : weight_.size(0);
+}
+
+int64_t DistillationHead::mix_depth() const { return round_up(weight_.size(0), 2); }
+
+void DistillationHead::logits_into(const at::Tensor& buffer, const at::Tensor& hidden_rows,
+                                   const at::Tensor& head_float, bool tiles) const {
+  const int64_t n = hidden_rows.size(0), d = hidden_rows.size(1);
+  if (!tiles) {
+    at::Tensor out = buffer.narrow(0, 0, n);
+    at::mm_out(out, hidden_rows.to(at::kFloat), head_float.t());
+    return;
+  }
+  const at::Tensor a = hidden_rows.contiguous();
+  const auto* a_bits = static_cast<const uint16_t*>(a.const_data_ptr());
+  const auto* panels = static_cast<const uint16_t*>(logit_panels_.const_data_ptr());
+  float* out = buffer.mutable_data_ptr<float>();
+  at::parallel_for(0, buffer.size(1) / ops::amx::kPanel, 8, [&](int64_t first, int64_t last) {
+    ops::amx::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
+    ops::amx::release();
+  });
+}
+
+void DistillationHead::mix_into(const at::Tensor& out, const at::Tensor& probabilities) const {
+  const int64_t n = probabilities.size(0), K = mix_depth(), panels = out.size(1) / ops::amx::kPanel;
+  TORCH_INTERNAL_ASSERT(probabilities.size(1) == K && probabilities.stride(1) == 1 && out.stride(1) == 1 &&
+                        out.size(1) % ops::amx::kPanel == 0);
+  const auto* a_bits = static_cast<const uint16_t*>(probabilities.const_data_ptr());
+  const auto* packed = static_cast<const uint16_t*>(mix_panels_.const_data_ptr());
+  float* c = out.mutable_data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    ops::amx::multiply_panels_k_sliced(a_bits, n, K, probabilities.stride(0), packed, first, last, c, out.stride(0));
+    ops::amx::release();
+  });
+}
+
+DistillationTerms distillation_loss(const at::Tensor& student_hidden, const at::Tensor& teacher_hidden,
+                                    const DistillationHead& head, const at::Tensor& targets, const at::Tensor& weights,
+                                    int64_t block_rows, DistillationGradients gradients) {
+  check_inputs("distillation_loss", student_hidden, teacher_hidden, head.weight(), targets, weights);
+  TORCH_CHECK(block_rows > 0, "distillation_loss: block_rows must be positive; got ", block_rows);
+  const bool gradient_follows = at::GradMode::is_enabled() && student_hidden.requires_grad();
+  const auto out = DistillationFunction::apply(student_hidden, teacher_hidden, targets, weights, &head, block_rows,
+                                               gradient_follows, gradients == DistillationGradients::kBoth);
+  return {out[0], out[1]};
+}
+
 DistillationTerms distillation_loss(const at::Tensor& student_hidden, const at::Tensor& teacher_hidden,
                                     const at::Tensor& head, const at::Tensor& targets, const at::Tensor& weights,
                                     int64_t block_rows, DistillationGradients gradients) {
-  check_inputs("distillation_loss", student_hidden, teacher_hidden, head, targets, weights);
-  TORCH_CHECK(block_rows > 0, "distillation_loss: block_rows must be positive; got ", block_rows);
-  const bool gradient_follows = at::GradMode::is_enabled() && student_hidden.requires_grad();
-  const auto out = DistillationFunction::apply(student_hidden, teacher_hidden, head, targets, weights, block_rows,
-                                               gradient_follows, gradients == DistillationGradients::kBoth);
-  return {out[0], out[1]};
+  return distillation_loss(student_hidden, teacher_hidden, DistillationHead(head), targets, weights, block_rows,
+                           gradients);
 }
 
 DistillationTerms distillation_loss_reference(const at::Tensor& student_hidden, const at::Tensor& teacher_hidden,

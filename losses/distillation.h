@@ -6,9 +6,10 @@
 //
 // Memory-bounded: logits exist for block_rows positions at a time (float32; with bfloat16 hidden states and head
 // on an AMX CPU their products run on the tile units, ops/amx_panels.h), in the forward only, so no
-// [B·T, V] tensor is ever allocated; peak extra memory is two [block_rows, V] float buffers and, for the
-// backward, one or two [B·T, d] float tensors (plus a float32 copy of the head when it is stored in another
-// dtype).
+// [B·T, V] tensor is ever allocated; peak extra memory is two [block_rows, V] float buffers (on the tile units
+// one or two [block_rows, V] bfloat16 ones beside them, the probabilities multiplied into the head) and, for the
+// backward, one or two [B·T, d] float tensors. Per row the softmaxes, the KL and the probabilities are one fused
+// pass on CPU (ops/distillation_rows.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -24,11 +25,41 @@ struct DistillationTerms {
 // ce is still computed, for logging, but a backward that reaches it with a non-zero gradient fails.
 enum class DistillationGradients { kBoth, kKlOnly };
 
+// The frozen LM head W [V, d] in the forms the loss multiplies it in, made once per head rather than per update
+// (a trainer keeps one): a bfloat16 head on an AMX CPU packed twice for the tile units, W for the logits h·Wᵀ and
+// Wᵀ for the products p·W into the head (2·V·d bfloat16 values); any other head as a float32 copy (none when it
+// is float32 already).
+class DistillationHead {
+ public:
+  explicit DistillationHead(const at::Tensor& head);
+  const at::Tensor& weight() const { return weight_; }  // as given
+
+  // The loss's building blocks (losses/distillation.cpp).
+  bool on_tiles(const at::Tensor& hidden) const;  // bfloat16 CPU hidden states and a packed head
+  at::Tensor float_weight() const;
+  int64_t logit_columns(bool tiles) const;  // V, or V rounded up to whole panels of 64 on the tiles
+  int64_t mix_depth() const;                // V rounded up to even: the K of p·W on the tiles
+  // buffer[:n, :logit_columns] = hidden_rows·Wᵀ (float32); head_float is float_weight() off the tiles.
+  void logits_into(const at::Tensor& buffer, const at::Tensor& hidden_rows, const at::Tensor& head_float,
+                   bool tiles) const;
+  // out [n, d rounded up to 64] float32 = probabilities [n, mix_depth()] bfloat16 · W, on the tiles.
+  void mix_into(const at::Tensor& out, const at::Tensor& probabilities) const;
+
+ private:
+  at::Tensor weight_, float_, logit_panels_, mix_panels_;
+};
+
 // student_hidden [B, T, d] (the final-norm output of the student; the only input that gets a gradient),
 // teacher_hidden [B, T, d] (no grad), both float32, bfloat16 or float16 (logits are computed in float32);
 // head [V, d] the frozen lm_head; targets [B, T] int64, the next token of each position (any value, e.g.
 // −1, where the weight is 0); weights [B, T] ≥ 0 (a 0/1 mask or per-position weights, Σ w > 0).
 // Gradients reach student_hidden only; teacher_hidden, head and weights must not require grad.
+DistillationTerms distillation_loss(const at::Tensor& student_hidden, const at::Tensor& teacher_hidden,
+                                    const DistillationHead& head, const at::Tensor& targets, const at::Tensor& weights,
+                                    int64_t block_rows = 128,
+                                    DistillationGradients gradients = DistillationGradients::kBoth);
+
+// The same with the head prepared for this call alone.
 DistillationTerms distillation_loss(const at::Tensor& student_hidden, const at::Tensor& teacher_hidden,
                                     const at::Tensor& head, const at::Tensor& targets, const at::Tensor& weights,
                                     int64_t block_rows = 128,

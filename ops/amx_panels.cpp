@@ -52,6 +52,19 @@ void multiply_panels(const uint16_t* A, int64_t M, int64_t D, int64_t lda, const
                     reinterpret_cast<const at::BFloat16*>(packed + j * D * kPanel), C + j * kPanel);
 }
 
+void multiply_panels_k_sliced(const uint16_t* A, int64_t M, int64_t K, int64_t lda, const uint16_t* packed,
+                              int64_t first, int64_t last, float* C, int64_t ldc) {
+  const auto* a = reinterpret_cast<const at::BFloat16*>(A);
+  // A packed panel holds its K rows in pairs ([K/2][64][2], oneDNN's VNNI layout for bfloat16), so the slice
+  // starting at an even k0 begins k0·64 values in.
+  for (int64_t k0 = 0; k0 < K; k0 += kKSlice) {
+    const int64_t k = std::min(kKSlice, K - k0);
+    for (int64_t j = first; j < last; ++j)
+      cpublas::brgemm(M, kPanel, k, lda, kPanel, ldc, /*add_C=*/k0 > 0, a + k0,
+                      reinterpret_cast<const at::BFloat16*>(packed + j * K * kPanel + k0 * kPanel), C + j * kPanel);
+  }
+}
+
 void release() { cpublas::brgemm_release(); }
 
 }  // namespace kvbound::ops::amx

@@ -27,6 +27,13 @@ at::Tensor pack_transposed_panels(const at::Tensor& rows);
 void multiply_panels(const uint16_t* A, int64_t M, int64_t D, int64_t lda, const uint16_t* packed, int64_t first,
                      int64_t last, float* C, int64_t ldc);
 
+// The same product for a K far beyond the cache (a vocabulary): K in slices of kKSlice, each slice of A read
+// from memory once while every panel's slice streams past, C accumulating in float32. The panels' split over
+// threads does not change any value (each C element sums its slices in one order). K even, C fully written.
+constexpr int64_t kKSlice = 256;
+void multiply_panels_k_sliced(const uint16_t* A, int64_t M, int64_t K, int64_t lda, const uint16_t* packed,
+                              int64_t first, int64_t last, float* C, int64_t ldc);
+
 // Hands the tile configuration back (cpublas::brgemm_release), after a thread's last product.
 void release();
 

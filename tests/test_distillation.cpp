@@ -177,12 +177,14 @@ TEST(Distillation, BFloat16HiddenStatesComputeInFloat) {
 }
 
 // A bfloat16 head with bfloat16 hidden states: on an AMX CPU the logits come from the tile units (the head packed
-// in panels of 64 rows, a vocabulary of 130 leaving a partial panel), elsewhere from the float32 GEMM; either way
-// the terms equal the formula on the same values widened to float32, and a student equal to its teacher has a KL
-// of exactly 0.
+// in panels of 64 rows, a vocabulary of 130 leaving a partial panel) and so do the products into the head (p_s − p_t
+// and p_s rounded to bfloat16; Wᵀ in slices of 256 of the vocabulary, 1001 leaving a partial slice and an odd
+// depth padded by a zero column), elsewhere from the float32 GEMM; either way the terms equal the formula on the
+// same values widened to float32, the gradients within a bfloat16 rounding, and a student equal to its teacher has
+// a KL of exactly 0.
 TEST(Distillation, BFloat16HeadEqualsTheWidenedFormula) {
   at::manual_seed(9);
-  for (const int64_t V : {64, 130})
+  for (const int64_t V : {64, 130, 1001})
     for (const int64_t d : {16, 64}) {
       LossInputs in = random_inputs(2, 45, d, V, true, at::kBFloat16);
       in.head = in.head.to(at::kBFloat16);

@@ -59,6 +59,7 @@ MemoryMethod::MemoryMethod(const Backbone& model, const MemorySettings& settings
       base_(settings.policy, settings.policy_config, settings.base_modules),
       with_memory_(settings.policy + "+mem", settings.policy_config, with_live_memory(settings.base_modules, memory_)) {
   memory_->to(model.device());
+  if (settings.loss == MemoryLoss::Kl) head_.emplace(model.lm_head());
   if (base_.make(seed)->needs_hindsight())
     fail("config", "memory.policy", "'" + settings.policy + "' ranks by the full model's future attention, which only evaluation hands it");
   if (settings.chunk < 1) fail("config", "memory.chunk", "must be >= 1");
@@ -108,7 +109,7 @@ StepLoss MemoryMethod::kl_loss(const Batch& batch) {
       continue;
     }
     const losses::DistillationTerms d =
-        losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, model_.lm_head(), batch.targets, w,
+        losses::distillation_loss(at::cat(hidden, 1), teacher_hidden, *head_, batch.targets, w,
                                   settings_.loss_block_rows, losses::DistillationGradients::kKlOnly);
     out.stats[stat] = d.kl.item<double>();
     kl_sum = kl_sum.defined() ? kl_sum + d.kl : d.kl;

@@ -14,10 +14,12 @@
 // local MSE sees each layer on the teacher's inputs; the KL also sees how a read's error compounds through
 // the layers above it, and weighs errors by what they do to the prediction, which is what eval measures.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "base/config.h"
+#include "losses/distillation.h"
 #include "modules/backbone.h"
 #include "modules/latent_memory.h"
 #include "modules/policies/registry.h"
@@ -67,6 +69,7 @@ class MemoryMethod final : public TrainingMethod {
   std::uint64_t seed_;
   std::shared_ptr<LatentMemory> memory_;
   ConfiguredPolicy base_, with_memory_;  // the replayed policy, and it with the live memory attached
+  std::optional<losses::DistillationHead> head_;  // the frozen LM head prepared once, for the kl loss
 };
 
 // The settings of train.method memory (memory.*, the policy keys) from a run's config; a learned

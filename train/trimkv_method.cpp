@@ -37,7 +37,8 @@ TrimKVMethod::TrimKVMethod(const Backbone& model, const TrimKVSettings& settings
                            const RetentionGates* start)
     : model_(model), settings_(settings),
       gates_(std::make_shared<RetentionGates>(RetentionGates::init(model.config(), settings.gate, seed))),
-      policy_("trimkv", settings.policy_config, live(gates_)) {
+      policy_("trimkv", settings.policy_config, live(gates_)),
+      head_(model.lm_head()) {
   gates_->to(model.device());
   if (start == nullptr) return;
   if (start->hidden() != gates_->hidden())
@@ -61,7 +62,7 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
   const at::Tensor student_hidden = model_.forward_hidden(batch.inputs, cache, &hook);
   // The ce term is always logged; its gradient (one more product into the head per block) only when it is used.
   const losses::DistillationTerms d = losses::distillation_loss(
-      student_hidden, teacher_hidden, model_.lm_head(), batch.targets, batch.weights, settings_.loss_block_rows,
+      student_hidden, teacher_hidden, head_, batch.targets, batch.weights, settings_.loss_block_rows,
       settings_.w_ntp != 0 ? losses::DistillationGradients::kBoth : losses::DistillationGradients::kKlOnly);
   const at::Tensor cap = losses::capacity_loss(hook.log_betas(), settings_.budget, settings_.capacity, batch.weights);
   StepLoss out;

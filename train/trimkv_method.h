@@ -6,6 +6,7 @@
 #pragma once
 #include "base/config.h"
 #include "losses/capacity.h"
+#include "losses/distillation.h"
 #include "modules/backbone.h"
 #include "modules/policies/registry.h"
 #include "modules/retention_gate.h"
@@ -45,6 +46,7 @@ class TrimKVMethod final : public TrainingMethod {
   TrimKVSettings settings_;
   std::shared_ptr<RetentionGates> gates_;
   ConfiguredPolicy policy_;  // trimkv with the live gates
+  losses::DistillationHead head_;  // the frozen LM head, prepared once
 };
 
 }  // namespace kvbound
