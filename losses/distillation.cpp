@@ -73,11 +73,12 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 // head is taken through the head instead: Σ_v p[v]·W[v] = p·W ([rows, d]). Per block (ops/distillation_rows.h):
 //   KL(p_t ‖ p_s) = Σ_v p_t·(z_t − z_s) − lse_t + lse_s     (z = h·Wᵀ)
 //   CE            = lse_s − z_s[target]
-//   ∂/∂h_s        = g_kl·(p_s − p_t)·W + g_ce·(p_s·W − W[target])   (times w / Σw)
-// The forward keeps G = (p_s − p_t)·W and, when the ce term will be differentiated, E_s = p_s·W ([N, d] each,
-// d/V of the logits' size), so the backward forms no logits. Without a gradient to come, only the logits are
-// formed. On the tile units (DistillationHead::on_tiles) p_s − p_t and p_s go to bfloat16 buffers for their
-// products, as every other product of a bfloat16 forward takes bfloat16 operands.
+//   ∂/∂h_s        = g_kl·(p_s − p_t)·W + g_ce·(p_s − onehot(target))·W   (times w / Σw)
+// The forward keeps G = (p_s − p_t)·W and, when the ce term will be differentiated, C = (p_s − onehot)·W ([N, d]
+// each, d/V of the logits' size), so the backward forms no logits and reads no head. Without a gradient to come,
+// only the logits are formed. On the tile units (DistillationHead::on_tiles) both probability rows go to bfloat16
+// buffers for their products, as every other product of a bfloat16 forward takes bfloat16 operands; each is formed
+// in float32 and rounded once (p_s − 1 at the target included, so a confident position keeps its small gradient).
 class DistillationFunction : public torch::autograd::Function<DistillationFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& student,
@@ -93,16 +94,16 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
     // On the tiles the products into the head write whole panels of 64 columns: [N, d rounded up], narrowed.
     const int64_t grad_columns = tiles ? round_up(d, ops::amx::kPanel) : d;
     const at::Tensor kl_grad = gradient_follows ? at::empty({N, grad_columns}, f32) : at::Tensor();
-    const at::Tensor expected_s = gradient_follows && ce_gradient ? at::empty({N, grad_columns}, f32) : at::Tensor();
+    const at::Tensor ce_grad = gradient_follows && ce_gradient ? at::empty({N, grad_columns}, f32) : at::Tensor();
     const int64_t buffer_rows = std::min(block_rows, N);
     const at::Tensor student_buffer = at::empty({buffer_rows, head->logit_columns(tiles)}, f32);
     const at::Tensor teacher_buffer = at::empty({buffer_rows, head->logit_columns(tiles)}, f32);
-    // bfloat16 probabilities for the tiles: V rounded up to an even K (the pairs of oneDNN's layout), the padding
-    // columns zero for good.
-    at::Tensor diff_bf16, probs_bf16;
+    // bfloat16 probability rows for the tiles: V rounded up to an even K (the pairs of oneDNN's layout), the
+    // padding columns zero for good.
+    at::Tensor diff_bf16, ce_bf16;
     if (tiles && gradient_follows) {
       diff_bf16 = at::zeros({buffer_rows, head->mix_depth()}, in.student.options());
-      if (ce_gradient) probs_bf16 = at::zeros({buffer_rows, head->mix_depth()}, in.student.options());
+      if (ce_gradient) ce_bf16 = at::zeros({buffer_rows, head->mix_depth()}, in.student.options());
     }
     for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
       const int64_t n = std::min(block_rows, N - r0);
@@ -112,31 +113,34 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
       head->logits_into(student_buffer, in.student.narrow(0, r0, n), head_float, tiles);
       const at::Tensor block_targets = in.targets.narrow(0, r0, n);
       const at::Tensor target_logit = z_s.gather(1, block_targets.unsqueeze(1)).squeeze(1);
-      at::Tensor difference, probs;
+      ops::GradientRows rows;
       if (gradient_follows) {
-        difference = tiles ? diff_bf16.narrow(0, 0, n).narrow(1, 0, V) : z_s;
-        if (ce_gradient) probs = tiles ? probs_bf16.narrow(0, 0, n).narrow(1, 0, V) : z_t;
+        rows.difference = tiles ? diff_bf16.narrow(0, 0, n).narrow(1, 0, V) : z_s;
+        if (ce_gradient) {
+          rows.student_minus_target = tiles ? ce_bf16.narrow(0, 0, n).narrow(1, 0, V) : z_t;
+          rows.targets = block_targets;
+        }
       }
-      const ops::DistillationRows terms = ops::distillation_rows(z_t, z_s, difference, probs);
+      const ops::DistillationRows terms = ops::distillation_rows(z_t, z_s, rows);
       kl_rows.narrow(0, r0, n).copy_(terms.kl);
       ce_rows.narrow(0, r0, n).copy_(terms.lse_student - target_logit);
       if (!gradient_follows) continue;
       if (tiles) {
         head->mix_into(kl_grad.narrow(0, r0, n), diff_bf16.narrow(0, 0, n));
-        if (ce_gradient) head->mix_into(expected_s.narrow(0, r0, n), probs_bf16.narrow(0, 0, n));
+        if (ce_gradient) head->mix_into(ce_grad.narrow(0, r0, n), ce_bf16.narrow(0, 0, n));
         continue;
       }
       at::Tensor g = kl_grad.narrow(0, r0, n);
-      at::mm_out(g, difference, head_float);
+      at::mm_out(g, rows.difference, head_float);
       if (ce_gradient) {
-        at::Tensor e_s = expected_s.narrow(0, r0, n);
-        at::mm_out(e_s, probs, head_float);
+        at::Tensor c = ce_grad.narrow(0, r0, n);
+        at::mm_out(c, rows.student_minus_target, head_float);
       }
     }
     if (gradient_follows) {
       ctx->saved_data["ce_gradient"] = ce_gradient;
-      ctx->save_for_backward({student, head->weight(), in.targets, in.coef, kl_grad.narrow(1, 0, d),
-                              ce_gradient ? expected_s.narrow(1, 0, d) : expected_s});  // no logits
+      ctx->save_for_backward({student, in.coef, kl_grad.narrow(1, 0, d),
+                              ce_gradient ? ce_grad.narrow(1, 0, d) : ce_grad});  // no logits
     }
     return {(kl_rows * in.coef).sum(), (ce_rows * in.coef).sum()};
   }
@@ -144,13 +148,12 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    TORCH_INTERNAL_ASSERT(saved.size() == 6, "distillation_loss: a graph was recorded without the saved products");
-    const at::Tensor &student = saved[0], &head = saved[1], &targets = saved[2], &coef = saved[3];
-    const at::Tensor &kl_grad = saved[4], &expected_s = saved[5];
+    TORCH_INTERNAL_ASSERT(saved.size() == 4, "distillation_loss: a graph was recorded without the saved products");
+    const at::Tensor &student = saved[0], &coef = saved[1], &kl_grad = saved[2], &ce_grad = saved[3];
     const at::Tensor g_kl = grad_outputs[0].to(at::kFloat), g_ce = grad_outputs[1].to(at::kFloat);
     at::Tensor grad = g_kl * kl_grad;
     if (ctx->saved_data["ce_gradient"].toBool()) {
-      grad = grad + g_ce * (expected_s - head.index_select(0, targets).to(at::kFloat));
+      grad = grad + g_ce * ce_grad;
     } else {  // one host sync per backward, the price of failing loudly instead of a silently wrong gradient
       TORCH_CHECK(g_ce.eq(0).item<bool>(), "distillation_loss: the ce term was formed with DistillationGradients::"
                   "kKlOnly (for logging); a loss that differentiates it needs kBoth");
@@ -179,7 +182,9 @@ DistillationHead::DistillationHead(const at::Tensor& head) : weight_(head) {
 }
 
 bool DistillationHead::on_tiles(const at::Tensor& hidden) const {
-  return logit_panels_.defined() && hidden.is_cpu() && hidden.scalar_type() == at::kBFloat16;
+  // The AMX check is asked again each call: it follows the mkldnn switch (ops/amx_panels.h).
+  return logit_panels_.defined() && hidden.is_cpu() && hidden.scalar_type() == at::kBFloat16 &&
+         ops::amx::bf16_available();
 }
 
 at::Tensor DistillationHead::float_weight() const { return float_.defined() ? float_ : weight_.to(at::kFloat); }

@@ -4,7 +4,8 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/sub.h>
 
 #include <cmath>
 #include <cstdint>
@@ -79,11 +80,11 @@ KVBOUND_VECTOR_CLONES float exponentiate_student(float* z, int64_t V, float max)
   return add_lanes(sum);
 }
 
-// diff = e_s·inv_s − e_t·inv_t and, when ps is given, ps = e_s·inv_s. In float32 ps may be e_t's own row (each
-// lane reads e_t before it writes).
-KVBOUND_VECTOR_CLONES void probabilities_f32(const float* e_t, const float* e_s, int64_t V, float inv_t, float inv_s,
-                                             float* diff, float* ps) {
-  if (ps == nullptr) {
+// diff = e_s·inv_s − e_t·inv_t and, when ce is given, ce = e_s·inv_s − onehot(target). In float32 ce may be
+// e_t's own row and diff e_s's (each lane reads both before it writes).
+KVBOUND_VECTOR_CLONES void gradient_rows_f32(const float* e_t, const float* e_s, int64_t V, float inv_t, float inv_s,
+                                             float* diff, float* ce, int64_t target) {
+  if (ce == nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < V; ++i) diff[i] = e_s[i] * inv_s - e_t[i] * inv_t;
     return;
@@ -91,50 +92,61 @@ KVBOUND_VECTOR_CLONES void probabilities_f32(const float* e_t, const float* e_s,
 #pragma omp simd
   for (int64_t i = 0; i < V; ++i) {
     const float p_s = e_s[i] * inv_s, d = p_s - e_t[i] * inv_t;
-    ps[i] = p_s;
+    ce[i] = p_s;
     diff[i] = d;
   }
+  ce[target] = ce[target] - 1.f;  // p_s[target] as the loop formed it, minus 1
 }
 
-KVBOUND_VECTOR_CLONES void probabilities_bf16(const float* e_t, const float* e_s, int64_t V, float inv_t, float inv_s,
-                                              uint16_t* diff, uint16_t* ps) {
+KVBOUND_VECTOR_CLONES void gradient_rows_bf16(const float* e_t, const float* e_s, int64_t V, float inv_t, float inv_s,
+                                              uint16_t* diff, uint16_t* ce, int64_t target) {
 #pragma omp simd
   for (int64_t i = 0; i < V; ++i) diff[i] = cpu::float_to_bf16(e_s[i] * inv_s - e_t[i] * inv_t);
-  if (ps == nullptr) return;
+  if (ce == nullptr) return;
 #pragma omp simd
-  for (int64_t i = 0; i < V; ++i) ps[i] = cpu::float_to_bf16(e_s[i] * inv_s);
+  for (int64_t i = 0; i < V; ++i) ce[i] = cpu::float_to_bf16(e_s[i] * inv_s);
+  ce[target] = cpu::float_to_bf16(e_s[target] * inv_s - 1.f);  // rounded once: p_s − 1 keeps its precision near 0
 }
 
-void check(const at::Tensor& teacher, const at::Tensor& student, const at::Tensor& difference,
-           const at::Tensor& student_probs) {
+void check(const at::Tensor& teacher, const at::Tensor& student, const GradientRows& out) {
   TORCH_CHECK(teacher.dim() == 2 && student.sizes() == teacher.sizes() && teacher.scalar_type() == at::kFloat &&
                   student.scalar_type() == at::kFloat && teacher.stride(1) == 1 && student.stride(1) == 1,
               "distillation_rows: teacher and student must be float32 [n, V] logits with unit stride along V; got ",
               teacher.sizes(), " ", teacher.scalar_type(), " and ", student.sizes(), " ", student.scalar_type());
-  TORCH_CHECK(difference.defined() || !student_probs.defined(),
-              "distillation_rows: student_probs is written only beside the difference");
-  for (const at::Tensor* out : {&difference, &student_probs}) {
-    if (!out->defined()) continue;
-    TORCH_CHECK(out->sizes() == teacher.sizes() && out->stride(1) == 1 &&
-                    (out->scalar_type() == at::kFloat || out->scalar_type() == at::kBFloat16) &&
-                    out->device() == teacher.device(),
-                "distillation_rows: the probability outputs must be float32 or bfloat16 [n, V] on the logits' device, "
-                "unit stride along V; got ", out->sizes(), " ", out->scalar_type());
-  }
   TORCH_CHECK(student.device() == teacher.device(), "distillation_rows: teacher and student on different devices");
-  TORCH_CHECK(!student_probs.defined() || student_probs.scalar_type() == difference.scalar_type(),
-              "distillation_rows: difference and student_probs must share one dtype");
+  for (const at::Tensor* rows : {&out.difference, &out.student_minus_target}) {
+    if (!rows->defined()) continue;
+    TORCH_CHECK(rows->sizes() == teacher.sizes() && rows->stride(1) == 1 &&
+                    (rows->scalar_type() == at::kFloat || rows->scalar_type() == at::kBFloat16) &&
+                    rows->device() == teacher.device(),
+                "distillation_rows: the gradient rows must be float32 or bfloat16 [n, V] on the logits' device, "
+                "unit stride along V; got ", rows->sizes(), " ", rows->scalar_type());
+  }
+  if (!out.student_minus_target.defined()) return;
+  TORCH_CHECK(out.difference.defined() && out.difference.scalar_type() == out.student_minus_target.scalar_type(),
+              "distillation_rows: student_minus_target is written beside a difference of its dtype");
+  const int64_t n = teacher.size(0), V = teacher.size(1);
+  TORCH_CHECK(out.targets.defined() && out.targets.dim() == 1 && out.targets.size(0) == n &&
+                  out.targets.scalar_type() == at::kLong && out.targets.device() == teacher.device(),
+              "distillation_rows: student_minus_target needs targets, [", n, "] int64 on the logits' device");
+  TORCH_CHECK(n == 0 || (out.targets.min().item<int64_t>() >= 0 && out.targets.max().item<int64_t>() < V),
+              "distillation_rows: targets must be token ids in [0, ", V, ")");
 }
 
-DistillationRows rows_cpu(const at::Tensor& teacher, const at::Tensor& student, const at::Tensor& difference,
-                          const at::Tensor& student_probs) {
+DistillationRows rows_cpu(const at::Tensor& teacher, const at::Tensor& student, const GradientRows& out) {
   const int64_t n = teacher.size(0), V = teacher.size(1);
-  DistillationRows out{at::empty({n}, teacher.options()), at::empty({n}, teacher.options())};
+  DistillationRows terms{at::empty({n}, teacher.options()), at::empty({n}, teacher.options())};
   float* t = teacher.mutable_data_ptr<float>();
   float* s = student.mutable_data_ptr<float>();
-  float* kl = out.kl.mutable_data_ptr<float>();
-  float* lse = out.lse_student.mutable_data_ptr<float>();
-  const bool bf16 = difference.scalar_type() == at::kBFloat16, probs = student_probs.defined();
+  float* kl = terms.kl.mutable_data_ptr<float>();
+  float* lse = terms.lse_student.mutable_data_ptr<float>();
+  const bool gradients = out.difference.defined(), ce = out.student_minus_target.defined();
+  const bool bf16 = gradients && out.difference.scalar_type() == at::kBFloat16;
+  void* diff = gradients ? out.difference.mutable_data_ptr() : nullptr;
+  void* ce_rows = ce ? out.student_minus_target.mutable_data_ptr() : nullptr;
+  const at::Tensor targets = ce ? out.targets.contiguous() : at::Tensor();
+  const int64_t* target = ce ? targets.const_data_ptr<int64_t>() : nullptr;
+  const int64_t diff_ld = gradients ? out.difference.stride(0) : 0, ce_ld = ce ? out.student_minus_target.stride(0) : 0;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* z_t = t + r * teacher.stride(0);
@@ -146,19 +158,17 @@ DistillationRows rows_cpu(const at::Tensor& teacher, const at::Tensor& student, 
       const float lse_t = max_t + std::log(sum_t), lse_s = max_s + std::log(sum_s);
       kl[r] = cross / sum_t - lse_t + lse_s;
       lse[r] = lse_s;
-      if (!difference.defined()) continue;
-      if (bf16) {
-        auto* d = static_cast<uint16_t*>(difference.mutable_data_ptr()) + r * difference.stride(0);
-        auto* p = probs ? static_cast<uint16_t*>(student_probs.mutable_data_ptr()) + r * student_probs.stride(0) : nullptr;
-        probabilities_bf16(z_t, z_s, V, 1.f / sum_t, 1.f / sum_s, d, p);
-      } else {
-        float* d = difference.mutable_data_ptr<float>() + r * difference.stride(0);
-        float* p = probs ? student_probs.mutable_data_ptr<float>() + r * student_probs.stride(0) : nullptr;
-        probabilities_f32(z_t, z_s, V, 1.f / sum_t, 1.f / sum_s, d, p);
-      }
+      if (!gradients) continue;
+      const int64_t target_r = ce ? target[r] : 0;
+      if (bf16)
+        gradient_rows_bf16(z_t, z_s, V, 1.f / sum_t, 1.f / sum_s, static_cast<uint16_t*>(diff) + r * diff_ld,
+                           ce ? static_cast<uint16_t*>(ce_rows) + r * ce_ld : nullptr, target_r);
+      else
+        gradient_rows_f32(z_t, z_s, V, 1.f / sum_t, 1.f / sum_s, static_cast<float*>(diff) + r * diff_ld,
+                          ce ? static_cast<float*>(ce_rows) + r * ce_ld : nullptr, target_r);
     }
   });
-  return out;
+  return terms;
 }
 
 // Σ_v a[r, v]·b[r, v] per row of two [n, V] blocks, without an [n, V] product tensor.
@@ -166,25 +176,44 @@ at::Tensor row_dot(const at::Tensor& a, const at::Tensor& b) {
   return at::bmm(a.unsqueeze(1), b.unsqueeze(2)).view({a.size(0)});
 }
 
-}  // namespace
 
-DistillationRows distillation_rows(const at::Tensor& teacher, const at::Tensor& student, const at::Tensor& difference,
-                                   const at::Tensor& student_probs) {
-  check(teacher, student, difference, student_probs);
-  return teacher.is_cpu() ? rows_cpu(teacher, student, difference, student_probs)
-                          : distillation_rows_aten(teacher, student, difference, student_probs);
+// Replaces each row of `logits` by its softmax in place; returns the rows' logsumexp.
+at::Tensor softmax_in_place(const at::Tensor& logits) {
+  const at::Tensor max = logits.amax(1, /*keepdim=*/true);
+  at::Tensor probs = logits;
+  at::sub_out(probs, logits, max).exp_();
+  const at::Tensor sum = probs.sum(1, /*keepdim=*/true);
+  probs.div_(sum);
+  return (max + sum.log()).squeeze(1);
 }
 
-DistillationRows distillation_rows_aten(const at::Tensor& teacher, const at::Tensor& student,
-                                        const at::Tensor& difference, const at::Tensor& student_probs) {
-  check(teacher, student, difference, student_probs);
-  const at::Tensor lse_t = at::logsumexp(teacher, 1), lse_s = at::logsumexp(student, 1);
-  const at::Tensor p_t = (teacher - lse_t.unsqueeze(1)).exp_(), p_s = (student - lse_s.unsqueeze(1)).exp_();
-  const at::Tensor kl = row_dot(p_t, teacher - student) - lse_t + lse_s;
-  // Written last: difference may be the student's own buffer and student_probs the teacher's.
-  if (difference.defined()) difference.copy_(p_s - p_t);
-  if (student_probs.defined()) student_probs.copy_(p_s);
-  return {kl, lse_s};
+DistillationRows rows_aten(const at::Tensor& teacher, const at::Tensor& student, const GradientRows& out) {
+  at::Tensor scratch = teacher - student;  // z_t − z_s, then p_s − p_t
+  const at::Tensor lse_t = softmax_in_place(teacher);  // teacher := p_t
+  const at::Tensor kl_cross = row_dot(teacher, scratch);
+  const at::Tensor lse_s = softmax_in_place(student);  // student := p_s
+  const DistillationRows terms{kl_cross - lse_t + lse_s, lse_s};
+  if (!out.difference.defined()) return terms;
+  at::sub_out(scratch, student, teacher);
+  // Written in this order: student_minus_target may be the teacher's buffer and difference the student's.
+  if (out.student_minus_target.defined()) {
+    student.scatter_add_(1, out.targets.unsqueeze(1), at::full({teacher.size(0), 1}, -1.0, student.options()));
+    out.student_minus_target.copy_(student);
+  }
+  out.difference.copy_(scratch);
+  return terms;
+}
+
+}  // namespace
+
+DistillationRows distillation_rows(const at::Tensor& teacher, const at::Tensor& student, const GradientRows& out) {
+  check(teacher, student, out);
+  return teacher.is_cpu() ? rows_cpu(teacher, student, out) : rows_aten(teacher, student, out);
+}
+
+DistillationRows distillation_rows_aten(const at::Tensor& teacher, const at::Tensor& student, const GradientRows& out) {
+  check(teacher, student, out);
+  return rows_aten(teacher, student, out);
 }
 
 }  // namespace kvbound::ops
