@@ -4,10 +4,11 @@
 
 namespace kvbound::ops {
 
-// silu(gate) * up for same-shape tensors. On the CPU in float32 or bfloat16 without a gradient to carry: one
-// fused vectorized pass (ops/gated_activation.cpp) with the formula's rounding steps (silu rounded to the dtype,
-// then the product); its exp is ops/cpu_vector.h's (within 1 ulp of the exact one), so results agree with ATen's
-// silu to float32 rounding, not bit for bit. Otherwise at::silu(gate) * up (autograd included).
+// silu(gate) * up for same-shape tensors. On the CPU in float32 or bfloat16: one fused vectorized pass
+// (ops/gated_activation.cpp) with the formula's rounding steps (silu rounded to the dtype, then the product); its
+// exp is ops/cpu_vector.h's (within 1 ulp of the exact one), so results agree with ATen's silu to float32
+// rounding, not bit for bit. With a gradient to carry, an autograd function whose backward forms both input
+// gradients in one fused pass from the saved inputs (in float32, rounded once). Elsewhere at::silu(gate) * up.
 at::Tensor silu_gate(const at::Tensor& gate, const at::Tensor& up);
 
 }  // namespace kvbound::ops

@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/rsqrt.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 namespace kvbound::ops {
@@ -23,10 +24,31 @@ const auto& rms_norm_op() {
   return op;
 }
 
-// Autograd kernel: when a gradient is needed (a student forward while training) the ATen composition
-// runs, so ATen's autograd differentiates it; otherwise the device kernel (fused on CUDA) runs.
+// The device kernel forward and the fused input gradient backward; only x and the weight are saved.
+class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["eps"] = eps;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return rms_norm_op().call(x, weight, eps);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    return {rms_norm_input_gradient(grad_outputs[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble()), {}, {}};
+  }
+};
+
+// Autograd kernel: when only the input needs a gradient (a student forward through the frozen backbone) and the
+// CPU has a fused backward for it, RmsNormFunction; when a gradient is needed otherwise (a trained weight, or
+// CUDA) the ATen composition runs, so ATen's autograd differentiates it; without a gradient the device kernel.
 at::Tensor rms_norm_autograd(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return rms_norm_reference(x, weight, eps);
+  if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) {
+    if (!weight.requires_grad() && rms_norm_input_gradient_fused(x, weight)) return RmsNormFunction::apply(x, weight, eps);
+    return rms_norm_reference(x, weight, eps);
+  }
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   return rms_norm_op().call(x, weight, eps);
 }
