@@ -49,7 +49,9 @@ KVBOUND_VECTOR_CLONES void silu_gate_bf16(const uint16_t* gate, const uint16_t* 
 
 // d_gate = d_out·up·σ(g)·(1 + g·(1 − σ(g))), d_up = d_out·g·σ(g), in float32 and rounded once to the dtype
 // (ATen's autograd of silu(gate)·up rounds silu(gate) and d_out·up to bfloat16 on the way: differences within
-// those roundings). σ(g) = 1 / (1 + e^−g) with e^−g staged in a buffer, as the forward does.
+// those roundings). σ(g) = 1 / (1 + e^−g) with e^−g staged in a buffer, as the forward does. The staging loop is
+// written out in each kernel on purpose: folded into one helper taking the second loop as a lambda, the bf16
+// forward took 0.296–0.302 s instead of 0.257–0.261 (`bench_forward MODEL 512 1 5 bfloat16`, 3 alternations).
 template <typename T, typename Load, typename Store>
 inline void silu_gate_backward_span(const T* d_out, const T* gate, const T* up, T* d_gate, T* d_up, int64_t n,
                                     Load load, Store store) {
