@@ -8,8 +8,8 @@
 // on an AMX CPU their products run on the tile units, ops/amx_panels.h), in the forward only, so no
 // [B·T, V] tensor is ever allocated; peak extra memory is two [block_rows, V] float buffers (on the tile units
 // one or two [block_rows, V] bfloat16 ones beside them, the probabilities multiplied into the head) and, for the
-// backward, one or two [B·T, d] float tensors (d rounded up to 64 on the tile units). Per row the softmaxes, the KL and the probabilities are one fused
-// pass on CPU (ops/distillation_rows.h).
+// backward, one or two [B·T, d] float tensors (d rounded up to 64 on the tile units). Per row the softmaxes, the
+// KL and the probabilities are one fused pass on CPU (ops/distillation_rows.h).
 #pragma once
 #include <ATen/core/Tensor.h>
 

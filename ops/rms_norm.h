@@ -14,7 +14,8 @@ bool rms_norm_input_gradient_fused(const at::Tensor& x, const at::Tensor& weight
 
 // ∂(Σ grad·rms_norm(x, weight, eps))/∂x in x's dtype, one fused pass per row (ops/rms_norm_cpu.cpp): what the
 // op's autograd runs on the CPU when the input needs a gradient and the weight does not (a student forward
-// through a frozen backbone), instead of ATen's autograd of the composition (~20 passes and its saved copies).
+// through a frozen backbone), instead of ATen's autograd of the composition (a pass over the rows per step of the
+// formula, forward and backward, and the intermediates it saves).
 at::Tensor rms_norm_input_gradient(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // The plain ATen formula: the CPU kernel and the reference for the CUDA one.
