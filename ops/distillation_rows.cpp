@@ -125,11 +125,16 @@ void check(const at::Tensor& teacher, const at::Tensor& student, const GradientR
   if (!out.student_minus_target.defined()) return;
   TORCH_CHECK(out.difference.defined() && out.difference.scalar_type() == out.student_minus_target.scalar_type(),
               "distillation_rows: student_minus_target is written beside a difference of its dtype");
-  const int64_t n = teacher.size(0), V = teacher.size(1);
+  const int64_t n = teacher.size(0);
   TORCH_CHECK(out.targets.defined() && out.targets.dim() == 1 && out.targets.size(0) == n &&
                   out.targets.scalar_type() == at::kLong && out.targets.device() == teacher.device(),
               "distillation_rows: student_minus_target needs targets, [", n, "] int64 on the logits' device");
-  TORCH_CHECK(n == 0 || (out.targets.min().item<int64_t>() >= 0 && out.targets.max().item<int64_t>() < V),
+}
+
+// The CPU kernel indexes each row at its target, so it checks the range itself (two host reads, cheap on the CPU);
+// the ATen path's scatter_add checks its indices on every device, without a host sync per block on a GPU.
+void check_targets_in_vocabulary(const at::Tensor& targets, int64_t V) {
+  TORCH_CHECK(targets.numel() == 0 || (targets.min().item<int64_t>() >= 0 && targets.max().item<int64_t>() < V),
               "distillation_rows: targets must be token ids in [0, ", V, ")");
 }
 
@@ -141,6 +146,7 @@ DistillationRows rows_cpu(const at::Tensor& teacher, const at::Tensor& student, 
   float* kl = terms.kl.mutable_data_ptr<float>();
   float* lse = terms.lse_student.mutable_data_ptr<float>();
   const bool gradients = out.difference.defined(), ce = out.student_minus_target.defined();
+  if (ce) check_targets_in_vocabulary(out.targets, V);
   const bool bf16 = gradients && out.difference.scalar_type() == at::kBFloat16;
   void* diff = gradients ? out.difference.mutable_data_ptr() : nullptr;
   void* ce_rows = ce ? out.student_minus_target.mutable_data_ptr() : nullptr;
