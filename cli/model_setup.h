@@ -15,11 +15,12 @@ namespace kvbound {
 // folder that holds this binary, else ./models.
 std::string default_model_path();
 
-// --model, --dtype, --threads, --device (info, generate), and the backbone they name (threads applied first).
+// --model, --dtype, --threads, --fp32-products, --device (info, generate), and the backbone they name (threads
+// applied first).
 void add_model_options(cxxopts::Options& options);
 std::unique_ptr<Backbone> load_backbone_from_options(const cxxopts::ParseResult& options);
 
-// model.path, model.tokenizer, model.dtype, model.threads, model.device.
+// model.path, model.tokenizer, model.dtype, model.threads, model.fp32_products, model.device.
 void add_model_keys(ConfigSchema& schema);
 
 struct ConfiguredModel {
@@ -30,7 +31,7 @@ struct ConfiguredModel {
 
 // Sets ATen's thread count (model.threads, 0 = every core), loads the tokenizer (model.tokenizer, else the
 // one beside the weights) and the backbone in model.dtype on model.device (resolved once: a CUDA device
-// this machine lacks is an error). Bad values are kvbound::Error naming the key.
+// this machine lacks is an error) with model.fp32_products. Bad values are kvbound::Error naming the key.
 ConfiguredModel load_configured_model(const Config& config);
 // The same without a tokenizer: for models that have none (the random-weight ones the GPU benches use).
 std::unique_ptr<Backbone> load_configured_backbone(const Config& config);

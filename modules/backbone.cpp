@@ -165,6 +165,52 @@ Backbone::Backbone(LoadedCheckpoint ck, c10::Device device)
   }
 }
 
+bool Backbone::set_float32_products(Float32Products products) {
+  const bool on = products == Float32Products::kBf16x3 && dtype_ == at::kFloat && device_.is_cpu() &&
+                  ops::bf16x3_available();
+  auto prepare = [on](const at::Tensor& w) { return on ? ops::Bf16x3Weight(w) : ops::Bf16x3Weight(); };
+  if (on != bf16x3_on_) {
+    lm_head_tiles_ = prepare(lm_head_);
+    for (Layer& L : layers_) {
+      L.q_tiles = prepare(L.q_proj);
+      L.k_tiles = prepare(L.k_proj);
+      L.v_tiles = prepare(L.v_proj);
+      L.o_tiles = prepare(L.o_proj);
+      L.gate_tiles = prepare(L.gate_proj);
+      L.up_tiles = prepare(L.up_proj);
+      L.down_tiles = prepare(L.down_proj);
+    }
+  }
+  bf16x3_on_ = on;
+  return on;
+}
+
+bool Backbone::on_bf16x3(const at::Tensor& x) const {
+  return bf16x3_on_ && x.is_cpu() && x.scalar_type() == at::kFloat && x.numel() >= kBf16x3MinRows * x.size(-1) &&
+         !(at::GradMode::is_enabled() && x.requires_grad()) && ops::bf16x3_available();
+}
+
+namespace {
+
+// The input of one or more frozen projections: on the bf16x3 path its rows are split once, on first use, for
+// every weight that reads it (q, k and v; gate and up).
+class ProjectionInput {
+ public:
+  ProjectionInput(at::Tensor x, bool bf16x3) : x_(std::move(x)), bf16x3_(bf16x3) {}
+  at::Tensor apply(const at::Tensor& weight, const ops::Bf16x3Weight& tiles, const at::Tensor& bias = {}) {
+    if (!bf16x3_) return at::linear(x_, weight, bias);
+    if (!split_.hi.defined()) split_ = ops::split_rows(x_);
+    return ops::bf16x3_linear(split_, tiles, bias);
+  }
+
+ private:
+  at::Tensor x_;
+  bool bf16x3_;
+  ops::Bf16x3Rows split_;
+};
+
+}  // namespace
+
 const std::string& Backbone::content_hash() const {
   if (content_hash_.empty()) content_hash_ = files_content_hash(weight_files_);
   return content_hash_;
@@ -263,12 +309,13 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.positions = positions;
   call.inv_freq = inv_freq_;
   call.start = cache.next_position();
-  auto project = [&](const at::Tensor& w, const at::Tensor& b, std::int64_t heads) {
-    return at::linear(call.normed_input, w, b).view({B, T, heads, c.head_dim}).transpose(1, 2);
+  ProjectionInput input(call.normed_input, on_bf16x3(call.normed_input));
+  auto project = [&](const at::Tensor& w, const ops::Bf16x3Weight& tiles, const at::Tensor& b, std::int64_t heads) {
+    return input.apply(w, tiles, b).view({B, T, heads, c.head_dim}).transpose(1, 2);
   };
-  at::Tensor q = project(L.q_proj, L.q_bias, c.num_heads);
-  at::Tensor k = project(L.k_proj, L.k_bias, c.num_kv_heads);
-  call.v = project(L.v_proj, L.v_bias, c.num_kv_heads);
+  at::Tensor q = project(L.q_proj, L.q_tiles, L.q_bias, c.num_heads);
+  at::Tensor k = project(L.k_proj, L.k_tiles, L.k_bias, c.num_kv_heads);
+  call.v = project(L.v_proj, L.v_tiles, L.v_bias, c.num_kv_heads);
   if (c.qk_norm) {
     q = rms_norm(q, L.q_norm);
     k = rms_norm(k, L.k_norm);
@@ -283,7 +330,8 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   } else {
     attend_over_cache(call, cache, hook);
   }
-  return at::linear(call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim}), L.o_proj);
+  const at::Tensor attended = call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim});
+  return ProjectionInput(attended, on_bf16x3(attended)).apply(L.o_proj, L.o_tiles);
 }
 
 at::Tensor Backbone::teacher_hidden(const at::Tensor& tokens, AttentionHook* hook) const {
@@ -311,14 +359,17 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
     const Layer& L = layers_[static_cast<std::size_t>(i)];
     h = h + attention(L, i, h, positions, cos, sin, cache, hook);
     const at::Tensor x = rms_norm(h, L.post_norm);
-    const at::Tensor gate = at::linear(x, L.gate_proj), up = at::linear(x, L.up_proj);
+    ProjectionInput input(x, on_bf16x3(x));
+    const at::Tensor gate = input.apply(L.gate_proj, L.gate_tiles), up = input.apply(L.up_proj, L.up_tiles);
     const at::Tensor gated = config_.hidden_act == "silu" ? ops::silu_gate(gate, up) : apply_activation(config_.hidden_act, gate) * up;
-    h = h + at::linear(gated, L.down_proj);
+    h = h + ProjectionInput(gated, on_bf16x3(gated)).apply(L.down_proj, L.down_tiles);
   }
   cache.advance(T);
   return rms_norm(h, final_norm_);
 }
 
-at::Tensor Backbone::logits(const at::Tensor& hidden) const { return at::linear(hidden, lm_head_); }
+at::Tensor Backbone::logits(const at::Tensor& hidden) const {
+  return ProjectionInput(hidden, on_bf16x3(hidden)).apply(lm_head_, lm_head_tiles_);
+}
 
 }  // namespace kvbound

@@ -12,6 +12,7 @@
 #include "checkpoints/weights.h"
 #include "modules/kv_cache.h"
 #include "checkpoints/model_config.h"
+#include "ops/bf16x3_linear.h"
 
 namespace kvbound {
 
@@ -90,6 +91,17 @@ class Backbone {
     return logits(forward_hidden(tokens, cache, hook));
   }
   KVCache make_cache() const { return KVCache(config_.num_layers); }
+  // How a float32 backbone on the CPU forms its frozen projections and logits where no gradient flows through
+  // them: kFloat32 through ATen's float32 GEMM, kBf16x3 on the bfloat16 tile units as three bfloat16 passes
+  // (ops/bf16x3_linear.h: ~2^-16 of each product, within the float32 goldens' tolerance, about half the time).
+  // kBf16x3 packs every projection's W_hi and W_lo once (as many more bytes as the float32 weights) where this
+  // CPU has AMX; elsewhere, in bfloat16 compute, on other devices, for inputs that carry a gradient and for
+  // chunks under kBf16x3MinRows rows (a decode step, where one float32 pass reads the same bytes faster),
+  // the float32 GEMM runs. Returns whether the bf16x3 products are on.
+  enum class Float32Products { kFloat32, kBf16x3 };
+  static constexpr std::int64_t kBf16x3MinRows = 8;
+  bool set_float32_products(Float32Products products);
+  Float32Products float32_products() const { return bf16x3_on_ ? Float32Products::kBf16x3 : Float32Products::kFloat32; }
   // The frozen model's own final hidden states for tokens [B, T] from an empty cache, without autograd: the
   // teacher side of every distillation loss. `hook` may watch (capture the teacher's attention inputs).
   at::Tensor teacher_hidden(const at::Tensor& tokens, AttentionHook* hook = nullptr) const;
@@ -98,8 +110,11 @@ class Backbone {
   struct Layer {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, q_bias, k_bias, v_bias, q_norm, k_norm;
     at::Tensor post_norm, gate_proj, up_proj, down_proj;
+    ops::Bf16x3Weight q_tiles, k_tiles, v_tiles, o_tiles, gate_tiles, up_tiles, down_tiles;  // when bf16x3 is on
   };
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
+  // Whether the frozen projections of input x take the bf16x3 path (set_float32_products).
+  bool on_bf16x3(const at::Tensor& x) const;
   at::Tensor attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, AttentionHook* hook) const;
 
@@ -111,6 +126,8 @@ class Backbone {
   at::ScalarType dtype_ = at::kFloat;
   c10::Device device_ = c10::kCPU;
   at::Tensor embed_, final_norm_, lm_head_, inv_freq_;
+  ops::Bf16x3Weight lm_head_tiles_;
+  bool bf16x3_on_ = false;
   std::vector<Layer> layers_;
 };
 

@@ -9,6 +9,7 @@
 #include "golden_reader.h"
 #include "modules/backbone.h"
 #include "modules/sampler.h"
+#include "ops/bf16x3_linear.h"
 #include "test_env.h"
 
 using namespace kvbound;
@@ -46,6 +47,23 @@ TEST_P(TinyGolden, IncrementalDecodeEqualsOneForward) {
   for (std::int64_t t = 101; t < T; ++t) parts.push_back(model->forward(golden.input_ids.narrow(1, t, 1), cache));
   EXPECT_LE(max_abs_diff(at::cat(parts, 1), full), 1e-5);
   EXPECT_EQ(cache.next_position(), T);
+}
+
+// The bf16x3 products (ops/bf16x3_linear.h) hold the same tolerance as the float32 GEMM against transformers.
+TEST_P(TinyGolden, Bf16x3ProductsMatchTransformers) {
+  if (!ops::bf16x3_available()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX)";
+  const std::string dir = test::test_data("tiny/" + GetParam());
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
+  const auto model = Backbone::load(dir, at::kFloat);
+  ASSERT_TRUE(model->set_float32_products(Backbone::Float32Products::kBf16x3));
+  KVCache cache = model->make_cache();
+  const at::Tensor logits = model->forward(golden.input_ids, cache);
+  EXPECT_LE(max_abs_diff(logits, golden.values), 1e-4) << GetParam();
+  // Not the float32 GEMM's values: the tiles did run.
+  ASSERT_FALSE(model->set_float32_products(Backbone::Float32Products::kFloat32));
+  KVCache float32_cache = model->make_cache();
+  EXPECT_FALSE(at::equal(model->forward(golden.input_ids, float32_cache), logits)) << GetParam();
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TinyGolden,
@@ -119,6 +137,56 @@ TEST(Backbone, SmolLM2GgufLogitsMatchTransformers) {
     EXPECT_LE(max_abs_diff(logits, golden.values), 2e-3) << name;
     EXPECT_TRUE(at::equal(logits.argmax(-1), golden.values.argmax(-1))) << name;
   }
+}
+
+TEST(Backbone, SmolLM2GgufBf16x3ProductsMatchTransformers) {
+  if (!ops::bf16x3_available()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX)";
+  KVBOUND_REQUIRE_FILE(test::default_model());
+  const auto model = Backbone::load(test::default_model(), at::kFloat);
+  ASSERT_TRUE(model->set_float32_products(Backbone::Float32Products::kBf16x3));
+  for (const char* name : {"story", "code"}) {
+    const std::string dir = test::test_data("smollm2");
+    KVBOUND_REQUIRE_FILE(dir + "/" + name + ".f32");
+    const auto golden = test::read_golden(dir, name);
+    KVCache cache = model->make_cache();
+    const at::Tensor logits = model->forward(golden.input_ids, cache)[0];
+    EXPECT_LE(max_abs_diff(logits, golden.values), 2e-3) << name;  // the float32 GEMM's tolerance, above
+    EXPECT_TRUE(at::equal(logits.argmax(-1), golden.values.argmax(-1))) << name;
+  }
+}
+
+TEST(Backbone, Bf16x3ProductsOnlyWhereTheyApply) {
+  const std::string dir = test::test_data("tiny/llama_tied");
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto bf16 = Backbone::load(dir, at::kBFloat16);
+  EXPECT_FALSE(bf16->set_float32_products(Backbone::Float32Products::kBf16x3));  // bfloat16 compute: its own GEMM
+  EXPECT_EQ(bf16->float32_products(), Backbone::Float32Products::kFloat32);
+  const auto model = Backbone::load(dir, at::kFloat);
+  EXPECT_EQ(model->set_float32_products(Backbone::Float32Products::kBf16x3), ops::bf16x3_available());
+}
+
+// An input that carries a gradient takes the float32 GEMM (the tiles have no backward): a hook that scales the
+// attention output by a trainable factor gets the float32 model's gradient, with the bf16x3 products on.
+TEST(Backbone, GradientsFlowThroughTheProjectionsWithBf16x3On) {
+  const std::string dir = test::test_data("tiny/llama3_untied");
+  KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
+  struct Scale : AttentionHook {
+    at::Tensor factor = at::ones({1}).requires_grad_(true);
+    void after_attention(AttentionCall& call, KVCache&) override { call.output = call.output * factor; }
+  };
+  auto gradient = [&](Backbone::Float32Products products) {
+    const auto model = Backbone::load(dir, at::kFloat);
+    model->set_float32_products(products);
+    Scale hook;
+    KVCache cache = model->make_cache();
+    model->forward(golden.input_ids, cache, &hook).square().mean().backward();
+    return hook.factor.grad();
+  };
+  const at::Tensor float32 = gradient(Backbone::Float32Products::kFloat32);
+  const at::Tensor bf16x3 = gradient(Backbone::Float32Products::kBf16x3);
+  ASSERT_TRUE(bf16x3.defined());
+  EXPECT_LE(max_abs_diff(bf16x3, float32), 1e-4 * float32.abs().item<double>());
 }
 
 TEST(Backbone, Stories260KGreedyReproducesLlama2cReference) {
