@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 
 #include "base/errors.h"
 #include "base/usable_cores.h"
@@ -25,9 +26,17 @@ Backbone::Float32Products parse_products(const std::string& value, const std::st
   throw Error(where + ": unknown float32 products '" + value + "' (float32, bf16x3)");
 }
 
+// Turns the bf16x3 products on where asked; where they cannot run (bfloat16 compute, another device, no AMX)
+// the run goes on with the float32 GEMM and says so on stderr, since its config still names bf16x3.
+void apply_products(Backbone& model, Backbone::Float32Products products, const std::string& where) {
+  if (!model.set_float32_products(products) && products == Backbone::Float32Products::kBf16x3)
+    std::cerr << "kvbound: " << where << ": bf16x3 runs only for float32 compute on a CPU with AMX; this run forms "
+              << "its products as " << at::toString(model.dtype()) << " GEMMs on " << model.device() << "\n";
+}
+
 constexpr const char* kProductsHelp =
     "a float32 model's frozen matrix products on the CPU: float32 | bf16x3 (three bfloat16 tile passes where the "
-    "CPU has AMX: ~2^-16 of each product, faster prefill, twice the weight memory)";
+    "CPU has AMX: 16 of each factor's 24 bits, faster prefill and training, twice the weight memory)";
 
 }  // namespace
 
@@ -66,7 +75,7 @@ std::unique_ptr<Backbone> load_backbone_from_options(const cxxopts::ParseResult&
   const c10::Device device = resolve_device(r["device"].as<std::string>(), "--device");
   const auto products = parse_products(r["fp32-products"].as<std::string>(), "--fp32-products");
   auto model = Backbone::load(r["model"].as<std::string>(), parse_dtype(r["dtype"].as<std::string>(), "--dtype"), device);
-  model->set_float32_products(products);
+  apply_products(*model, products, "--fp32-products");
   return model;
 }
 
@@ -87,7 +96,7 @@ struct BackboneChoice {
   Backbone::Float32Products products;
 };
 
-// Applies model.threads and checks model.dtype and model.device, before anything is loaded.
+// Applies model.threads and checks model.dtype, model.device and model.fp32_products, before anything is loaded.
 BackboneChoice backbone_choice(const Config& config) {
   const std::int64_t threads = config.get_int("model.threads");
   if (threads < 0) fail("config", "model.threads", "must be >= 0");
@@ -99,7 +108,7 @@ BackboneChoice backbone_choice(const Config& config) {
 
 std::unique_ptr<Backbone> load_chosen_backbone(const std::string& path, const BackboneChoice& choice) {
   auto model = Backbone::load(path, choice.dtype, choice.device);
-  model->set_float32_products(choice.products);
+  apply_products(*model, choice.products, "config: model.fp32_products");
   return model;
 }
 

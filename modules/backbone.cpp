@@ -187,7 +187,7 @@ bool Backbone::set_float32_products(Float32Products products) {
 
 bool Backbone::on_bf16x3(const at::Tensor& x) const {
   return bf16x3_on_ && x.is_cpu() && x.scalar_type() == at::kFloat && x.numel() >= kBf16x3MinRows * x.size(-1) &&
-         !(at::GradMode::is_enabled() && x.requires_grad()) && ops::bf16x3_available();
+         ops::bf16x3_available();
 }
 
 namespace {
@@ -200,7 +200,7 @@ class ProjectionInput {
   at::Tensor apply(const at::Tensor& weight, const ops::Bf16x3Weight& tiles, const at::Tensor& bias = {}) {
     if (!bf16x3_) return at::linear(x_, weight, bias);
     if (!split_.hi.defined()) split_ = ops::split_rows(x_);
-    return ops::bf16x3_linear(split_, tiles, bias);
+    return ops::bf16x3_linear(x_, split_, tiles, weight, bias);
   }
 
  private:

@@ -91,13 +91,14 @@ class Backbone {
     return logits(forward_hidden(tokens, cache, hook));
   }
   KVCache make_cache() const { return KVCache(config_.num_layers); }
-  // How a float32 backbone on the CPU forms its frozen projections and logits where no gradient flows through
-  // them: kFloat32 through ATen's float32 GEMM, kBf16x3 on the bfloat16 tile units as three bfloat16 passes
-  // (ops/bf16x3_linear.h: ~2^-16 of each product, within the float32 goldens' tolerance, about half the time).
-  // kBf16x3 packs every projection's W_hi and W_lo once (as many more bytes as the float32 weights) where this
-  // CPU has AMX; elsewhere, in bfloat16 compute, on other devices, for inputs that carry a gradient and for
-  // chunks under kBf16x3MinRows rows (a decode step, where one float32 pass reads the same bytes faster),
-  // the float32 GEMM runs. Returns whether the bf16x3 products are on.
+  // How a float32 backbone on the CPU forms its frozen projections and logits: kFloat32 through ATen's float32
+  // GEMM, kBf16x3 on the bfloat16 tile units as three bfloat16 passes (ops/bf16x3_linear.h: worst case ~2^-15
+  // of Σ|x|·|w|, within the float32 goldens' tolerance, about half the time); an input that carries a gradient
+  // gets it through the float32 weights. kBf16x3 packs every projection's W_hi and W_lo once (as many more bytes
+  // as the float32 weights) where this CPU has AMX; elsewhere, in bfloat16 compute and on other devices it is
+  // refused (returns false) and the float32 GEMM runs, as it does for chunks of fewer than kBf16x3MinRows rows
+  // (B·T: a decode step of fewer than 8 sequences, where one float32 pass over the same bytes is faster).
+  // Returns whether the bf16x3 products are on.
   enum class Float32Products { kFloat32, kBf16x3 };
   static constexpr std::int64_t kBf16x3MinRows = 8;
   bool set_float32_products(Float32Products products);

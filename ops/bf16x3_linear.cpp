@@ -1,12 +1,18 @@
 #include "ops/bf16x3_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <algorithm>
+#include <functional>
+#include <numeric>
 
 #include "ops/amx_panels.h"
 #include "ops/cpu_vector.h"
@@ -27,12 +33,28 @@ KVBOUND_VECTOR_CLONES void split_row(const float* x, int64_t K, int64_t padded, 
   for (int64_t k = 0; k < K; ++k) {
     const uint16_t h = cpu::float_to_bf16(x[k]);
     hi[k] = h;
-    lo[k] = cpu::float_to_bf16(x[k] - cpu::bf16_to_float(h));  // exact: x minus its rounding is a float
+    lo[k] = cpu::float_to_bf16(x[k] - cpu::bf16_to_float(h));  // exact for finite x below bf16's largest
   }
   for (int64_t k = K; k < padded; ++k) hi[k] = lo[k] = 0;
 }
 
 const at::BFloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const at::BFloat16*>(p); }
+
+// The tiles' forward; the input gradient dY·W in float32. Only W is saved (the input is not needed: W is frozen).
+class Bf16x3LinearFunction : public torch::autograd::Function<Bf16x3LinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const Bf16x3Rows* rows, const Bf16x3Weight* tiles, const at::Tensor* bias) {
+    ctx->save_for_backward({weight});
+    (void)x;  // an input of the function so that autograd links the output to it
+    return bf16x3_linear(*rows, *tiles, *bias);  // the bias by pointer: it may be undefined, which apply rejects
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const at::Tensor weight = ctx->get_saved_variables()[0];
+    return {at::matmul(grad_outputs[0], weight), {}, {}, {}, {}};
+  }
+};
 
 }  // namespace
 
@@ -78,6 +100,11 @@ at::Tensor bf16x3_linear(const Bf16x3Rows& x, const Bf16x3Weight& weight, const 
   TORCH_CHECK(weight.defined() && x.in_features == weight.in_features(),
               "bf16x3_linear: input has ", x.in_features, " features, the weight takes ", weight.in_features());
   const int64_t M = x.hi.size(0), N = weight.out_features(), K = weight.padded_in();
+  const int64_t leading_rows = std::accumulate(x.leading.begin(), x.leading.end(), int64_t{1}, std::multiplies<>());
+  TORCH_CHECK(x.hi.scalar_type() == at::kBFloat16 && x.hi.is_contiguous() && x.hi.dim() == 2 && x.hi.size(1) == K &&
+                  x.lo.sizes() == x.hi.sizes() && x.lo.scalar_type() == at::kBFloat16 && x.lo.is_contiguous() &&
+                  leading_rows == M,
+              "bf16x3_linear: rows not as split_rows makes them");
   const int64_t columns = round_up(N, amx::kPanel), panels = columns / amx::kPanel;
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
   at::Tensor out = at::empty({M, columns}, x.hi.options().dtype(at::kFloat));
@@ -105,6 +132,14 @@ at::Tensor bf16x3_linear(const Bf16x3Rows& x, const Bf16x3Weight& weight, const 
   std::vector<int64_t> sizes = x.leading;
   sizes.push_back(N);
   return out.view(sizes);
+}
+
+at::Tensor bf16x3_linear(const at::Tensor& x, const Bf16x3Rows& rows, const Bf16x3Weight& tiles,
+                         const at::Tensor& weight, const at::Tensor& bias) {
+  TORCH_CHECK(!weight.requires_grad() && !(bias.defined() && bias.requires_grad()),
+              "bf16x3_linear: the weight and bias must be frozen (no gradient through the tiles' packing)");
+  if (!(at::GradMode::is_enabled() && x.requires_grad())) return bf16x3_linear(rows, tiles, bias);
+  return Bf16x3LinearFunction::apply(x, weight, &rows, &tiles, &bias);
 }
 
 }  // namespace kvbound::ops

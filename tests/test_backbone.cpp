@@ -155,19 +155,31 @@ TEST(Backbone, SmolLM2GgufBf16x3ProductsMatchTransformers) {
   }
 }
 
+// bfloat16 compute keeps its own GEMM; chunks of fewer than kBf16x3MinRows rows (B·T: a decode step) take the
+// float32 GEMM, bit for bit the float32 model's.
 TEST(Backbone, Bf16x3ProductsOnlyWhereTheyApply) {
   const std::string dir = test::test_data("tiny/llama_tied");
   KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
+  const auto golden = test::read_golden(dir, "logits");
   const auto bf16 = Backbone::load(dir, at::kBFloat16);
-  EXPECT_FALSE(bf16->set_float32_products(Backbone::Float32Products::kBf16x3));  // bfloat16 compute: its own GEMM
+  EXPECT_FALSE(bf16->set_float32_products(Backbone::Float32Products::kBf16x3));
   EXPECT_EQ(bf16->float32_products(), Backbone::Float32Products::kFloat32);
-  const auto model = Backbone::load(dir, at::kFloat);
-  EXPECT_EQ(model->set_float32_products(Backbone::Float32Products::kBf16x3), ops::bf16x3_available());
+  if (!ops::bf16x3_available()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX)";
+  const auto model = Backbone::load(dir, at::kFloat), float32 = Backbone::load(dir, at::kFloat);
+  ASSERT_TRUE(model->set_float32_products(Backbone::Float32Products::kBf16x3));
+  const at::Tensor one_row = golden.input_ids.narrow(0, 0, 1);  // rows are B·T
+  const at::Tensor few = one_row.narrow(1, 0, Backbone::kBf16x3MinRows - 1);
+  const at::Tensor enough = one_row.narrow(1, 0, Backbone::kBf16x3MinRows);
+  KVCache a = model->make_cache(), b = float32->make_cache(), c = model->make_cache(), d = float32->make_cache();
+  EXPECT_TRUE(at::equal(model->forward(few, a), float32->forward(few, b)));
+  EXPECT_FALSE(at::equal(model->forward(enough, c), float32->forward(enough, d)));
 }
 
-// An input that carries a gradient takes the float32 GEMM (the tiles have no backward): a hook that scales the
-// attention output by a trainable factor gets the float32 model's gradient, with the bf16x3 products on.
+// An input that carries a gradient gets it through the float32 weights (ops::bf16x3_linear's differentiable
+// form): a hook that scales every attention output by a trainable factor gets the float32 model's gradient
+// within the products' rounding, with the bf16x3 products on.
 TEST(Backbone, GradientsFlowThroughTheProjectionsWithBf16x3On) {
+  if (!ops::bf16x3_available()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX)";
   const std::string dir = test::test_data("tiny/llama3_untied");
   KVBOUND_REQUIRE_FILE(dir + "/logits.f32");
   const auto golden = test::read_golden(dir, "logits");
@@ -186,6 +198,7 @@ TEST(Backbone, GradientsFlowThroughTheProjectionsWithBf16x3On) {
   const at::Tensor float32 = gradient(Backbone::Float32Products::kFloat32);
   const at::Tensor bf16x3 = gradient(Backbone::Float32Products::kBf16x3);
   ASSERT_TRUE(bf16x3.defined());
+  EXPECT_FALSE(at::equal(bf16x3, float32));  // the tiles ran
   EXPECT_LE(max_abs_diff(bf16x3, float32), 1e-4 * float32.abs().item<double>());
 }
 

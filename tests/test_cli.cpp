@@ -174,6 +174,27 @@ TEST(Cli, AnUnavailableDeviceIsOneLineNamingTheKey) {
   }
 }
 
+// model.fp32_products / --fp32-products: a bad value is one line naming the option or key; bf16x3 where it cannot
+// run (bfloat16 compute) runs on with the model's own GEMM and says so in one line on stderr.
+TEST(Cli, Float32ProductsAreCheckedAndAFallbackIsSaid) {
+  const std::string dir = quote(kvbound::test::asset("stories260K"));
+  for (const auto& [args, key] : std::vector<std::pair<std::string, std::string>>{
+           {"info --model " + dir + " --fp32-products float16", "--fp32-products: "},
+           {"eval --set model.path=" + dir + " --set eval.text=" +
+                quote(kvbound::test::asset("text/tinystories_valid_first794KB_hf.txt")) + " --set model.fp32_products=fast",
+            "config: model.fp32_products: "}}) {
+    const CliRun r = run(args);
+    EXPECT_EQ(r.code, 1) << args;
+    EXPECT_NE(r.err.find(key + "unknown float32 products"), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+  const CliRun r = run("generate --model " + dir + " --dtype bfloat16 --fp32-products bf16x3 --max-new-tokens 4");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(r.out.empty());
+  EXPECT_NE(r.err.find("--fp32-products: bf16x3 runs only for float32 compute on a CPU with AMX"), std::string::npos)
+      << r.err;
+}
+
 // eval.layer_budget_shares needs one finite share > 0 per layer: anything else is one line naming the key, and
 // nothing is written.
 TEST(Cli, BadLayerBudgetSharesAreOneLineNamingTheKey) {
