@@ -6,6 +6,8 @@
 # threads, one after the other: JSON lines and the ratio at each dtype. Each prints its update's loss on the
 # same tokens, a check that both compute the same step. Beside them, the time of the matrix products each update
 # cannot avoid (bench_train_step's unavoidable_products_ms), which bounds the ratio any implementation can reach.
+# In float32, kvbound's update runs twice, with the float32 GEMM and with bf16x3 products (model.fp32_products:
+# three bfloat16 tile passes on AMX; PyTorch keeps its float32 GEMM), both against the same PyTorch run.
 # Usage: scripts/bench_train_step.sh BUILD_DIR [THREADS] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,19 +22,23 @@ for method in trimkv indexmem; do
     trimkv) keys=(trimkv.gate_hidden=128 trimkv.budget=32) peer_args=(128 32) peer_script=bench/peers/trimkv_step_cpu.py ;;
     indexmem) keys=(indexmem.d_index=32 indexmem.window=32) peer_args=(32 32) peer_script=bench/peers/indexmem_step.py ;;
   esac
-  for dtype in float32 bfloat16; do
+  for variant in float32:float32 float32:bf16x3 bfloat16:float32; do
+    dtype=${variant%%:*} products=${variant##*:}
     ours=$("$build"/bench/bench_train_step "$model" "$method" "$T" "$B" "$steps" cpu "$dtype" \
-      model.threads="$threads" "${keys[@]}" | tail -n 1)
-    peer=$(.venv/bin/python "$peer_script" "$model" "$T" "$B" "$steps" "$threads" \
-      "${peer_args[@]}" "$dtype" 2>/dev/null | tail -n 1)
+      model.threads="$threads" model.fp32_products="$products" "${keys[@]}" | tail -n 1)
+    if [[ $products == float32 ]]; then  # the bf16x3 run is compared with the float32 peer just measured
+      peer=$(.venv/bin/python "$peer_script" "$model" "$T" "$B" "$steps" "$threads" \
+        "${peer_args[@]}" "$dtype" 2>/dev/null | tail -n 1)
+    fi
     printf '%s\n%s\n' "$ours" "$peer"
-    .venv/bin/python - "$ours" "$peer" <<'PY'
+    .venv/bin/python - "$ours" "$peer" "$products" <<'PY'
 import json, sys
-k, p = (json.loads(a) for a in sys.argv[1:])
-print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']} {p['dtype']}: kvbound "
+k, p = (json.loads(a) for a in sys.argv[1:3])
+products = "" if sys.argv[3] == "float32" else f" (kvbound's products: {sys.argv[3]})"
+print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']} {p['dtype']}{products}: kvbound "
       f"{k['ms_per_update']:.0f} ms (loss {k['loss']:.4f}), pytorch {p['ms_per_update']:.0f} ms "
       f"(loss {p['loss']:.4f}), ratio {p['ms_per_update'] / k['ms_per_update']:.2f}x")
-if k.get("unavoidable_products_ms") is not None:
+if k.get("unavoidable_products_ms") is not None and sys.argv[3] == "float32":
     print(f"  the update's unavoidable matrix products alone: {k['unavoidable_products_ms']:.0f} ms = "
           f"{k['unavoidable_products_ms'] / k['ms_per_update']:.0%} of kvbound's update; an update on this GEMM can be "
           f"at most {p['ms_per_update'] / k['unavoidable_products_ms']:.2f}x pytorch")
