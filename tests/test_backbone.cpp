@@ -123,20 +123,23 @@ TEST(Backbone, HookSeesEveryLayerAndCanReplaceTheAttentionOutput) {
   EXPECT_GT(max_abs_diff(model->forward(golden.input_ids, cache2, &hook), golden.values), 1e-2);
 }
 
-TEST(Backbone, SmolLM2GgufLogitsMatchTransformers) {
-  KVBOUND_REQUIRE_FILE(test::default_model());
-  const auto model = Backbone::load(test::default_model(), at::kFloat);
+// Both sides dequantize the same Q4_1/Q8_0 blocks to fp32; what remains is fp32 summation order over 30 layers,
+// on logits of magnitude ~20 (and, with bf16x3 products, their rounding: the same tolerance holds).
+void expect_smollm2_goldens(const Backbone& model) {
   for (const char* name : {"story", "code"}) {
     const std::string dir = test::test_data("smollm2");
     KVBOUND_REQUIRE_FILE(dir + "/" + name + ".f32");
     const auto golden = test::read_golden(dir, name);
-    KVCache cache = model->make_cache();
-    const at::Tensor logits = model->forward(golden.input_ids, cache)[0];
-    // Both sides dequantize the same Q4_1/Q8_0 blocks to fp32; what remains is fp32 summation order
-    // over 30 layers, on logits of magnitude ~20.
+    KVCache cache = model.make_cache();
+    const at::Tensor logits = model.forward(golden.input_ids, cache)[0];
     EXPECT_LE(max_abs_diff(logits, golden.values), 2e-3) << name;
     EXPECT_TRUE(at::equal(logits.argmax(-1), golden.values.argmax(-1))) << name;
   }
+}
+
+TEST(Backbone, SmolLM2GgufLogitsMatchTransformers) {
+  KVBOUND_REQUIRE_FILE(test::default_model());
+  expect_smollm2_goldens(*Backbone::load(test::default_model(), at::kFloat));
 }
 
 TEST(Backbone, SmolLM2GgufBf16x3ProductsMatchTransformers) {
@@ -144,15 +147,7 @@ TEST(Backbone, SmolLM2GgufBf16x3ProductsMatchTransformers) {
   KVBOUND_REQUIRE_FILE(test::default_model());
   const auto model = Backbone::load(test::default_model(), at::kFloat);
   ASSERT_TRUE(model->set_float32_products(Backbone::Float32Products::kBf16x3));
-  for (const char* name : {"story", "code"}) {
-    const std::string dir = test::test_data("smollm2");
-    KVBOUND_REQUIRE_FILE(dir + "/" + name + ".f32");
-    const auto golden = test::read_golden(dir, name);
-    KVCache cache = model->make_cache();
-    const at::Tensor logits = model->forward(golden.input_ids, cache)[0];
-    EXPECT_LE(max_abs_diff(logits, golden.values), 2e-3) << name;  // the float32 GEMM's tolerance, above
-    EXPECT_TRUE(at::equal(logits.argmax(-1), golden.values.argmax(-1))) << name;
-  }
+  expect_smollm2_goldens(*model);
 }
 
 // bfloat16 compute keeps its own GEMM; chunks of fewer than kBf16x3MinRows rows (B·T: a decode step) take the
