@@ -75,8 +75,6 @@ Bf16x3Weight::Bf16x3Weight(const at::Tensor& weight) {
   lo_ = amx::pack_transposed_panels(lo);
 }
 
-int64_t Bf16x3Weight::bytes() const { return defined() ? hi_.nbytes() + lo_.nbytes() : 0; }
-
 Bf16x3Rows split_rows(const at::Tensor& x) {
   TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "bf16x3 split_rows: expected a CPU float32 input; got ", x.scalar_type(), " on ", x.device());

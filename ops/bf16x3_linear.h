@@ -31,7 +31,6 @@ class Bf16x3Weight {
   int64_t padded_in() const { return padded_in_; }
   const uint16_t* hi() const { return static_cast<const uint16_t*>(hi_.const_data_ptr()); }
   const uint16_t* lo() const { return static_cast<const uint16_t*>(lo_.const_data_ptr()); }
-  int64_t bytes() const;
 
  private:
   at::Tensor hi_, lo_;
