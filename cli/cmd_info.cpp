@@ -37,6 +37,11 @@ int cmd_info(int argc, char** argv) {
   for (const auto& [type, n] : model->stored_types()) std::cout << " " << type << " x" << n;
   std::cout << "\n"
             << "compute_dtype     " << c10::toString(model->dtype()) << "\n"
+            << "fp32_products     "
+            << (model->dtype() != at::kFloat ? "- (not float32 compute)"
+                : model->float32_products() == Backbone::Float32Products::kBf16x3 ? "bf16x3 (AMX tiles)"
+                                                                                   : "float32 GEMM")
+            << "\n"
             << "parameters        " << model->num_parameters() << " (" << model->parameter_bytes() / (1 << 20)
             << " MiB in compute dtype, all frozen)\n";
   return 0;

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ops/bf16x3_linear.h"
 #include "test_env.h"
 
 namespace fs = std::filesystem;
@@ -193,6 +194,13 @@ TEST(Cli, Float32ProductsAreCheckedAndAFallbackIsSaid) {
   EXPECT_FALSE(r.out.empty());
   EXPECT_NE(r.err.find("--fp32-products: bf16x3 runs only for float32 compute on a CPU with AMX"), std::string::npos)
       << r.err;
+  // info says which products a float32 model forms.
+  const CliRun info = run("info --model " + dir + " --fp32-products bf16x3");
+  EXPECT_EQ(info.code, 0) << info.err;
+  EXPECT_NE(info.out.find(kvbound::ops::bf16x3_available() ? "fp32_products     bf16x3 (AMX tiles)\n"
+                                                          : "fp32_products     float32 GEMM\n"),
+            std::string::npos)
+      << info.out;
 }
 
 // eval.layer_budget_shares needs one finite share > 0 per layer: anything else is one line naming the key, and
