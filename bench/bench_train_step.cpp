@@ -105,10 +105,12 @@ int main(int argc, char** argv) try {
   const std::optional<double> floor =
       unavoidable_products_seconds(method_name, config, *model, B * T, model->dtype());
   const std::string floor_ms = floor ? std::to_string(*floor * 1e3) : "null";
+  const bool bf16x3 = model->float32_products() == kvbound::Backbone::Float32Products::kBf16x3;
   std::printf("{\"impl\": \"kvbound\", \"method\": \"%s\", \"T\": %ld, \"B\": %ld, \"device\": \"%s\", \"dtype\": \"%s\", "
-              "\"ms_per_update\": %.1f, \"tok_s\": %.1f, \"loss\": %.4f, \"unavoidable_products_ms\": %s}\n",
+              "\"fp32_products\": \"%s\", \"ms_per_update\": %.1f, \"tok_s\": %.1f, \"loss\": %.4f, "
+              "\"unavoidable_products_ms\": %s}\n",
               method_name.c_str(), static_cast<long>(T), static_cast<long>(B), device.str().c_str(), dtype_name.c_str(),
-              seconds * 1e3, static_cast<double>(B * T) / seconds, loss, floor_ms.c_str());
+              bf16x3 ? "bf16x3" : "float32", seconds * 1e3, static_cast<double>(B * T) / seconds, loss, floor_ms.c_str());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "bench_train_step: " << e.what() << "\n";

@@ -1,4 +1,5 @@
-// `kvbound info [--model PATH]`: a model's architecture, sizes, stored dtypes and parameter count.
+// `kvbound info [--model PATH]`: a model's architecture, sizes, stored dtypes, compute dtype and float32 products,
+// and parameter count.
 #include <cxxopts.hpp>
 #include <iostream>
 

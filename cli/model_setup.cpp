@@ -31,7 +31,8 @@ Backbone::Float32Products parse_products(const std::string& value, const std::st
 void apply_products(Backbone& model, Backbone::Float32Products products, const std::string& where) {
   if (!model.set_float32_products(products) && products == Backbone::Float32Products::kBf16x3)
     std::cerr << "kvbound: " << where << ": bf16x3 runs only for float32 compute on a CPU with AMX; this run forms "
-              << "its products as " << at::toString(model.dtype()) << " GEMMs on " << model.device() << "\n";
+              << "its products as " << (model.dtype() == at::kFloat ? "float32" : "bfloat16") << " GEMMs on "
+              << model.device() << "\n";
 }
 
 constexpr const char* kProductsHelp =

@@ -97,7 +97,8 @@ class Backbone {
   // gets it through the float32 weights. kBf16x3 packs every projection's W_hi and W_lo once (as many more bytes
   // as the float32 weights) where this CPU has AMX; elsewhere, in bfloat16 compute and on other devices it is
   // refused (returns false) and the float32 GEMM runs, as it does for chunks of fewer than kBf16x3MinRows rows
-  // (B·T: a decode step of fewer than 8 sequences, where one float32 pass over the same bytes is faster).
+  // (B·T: a decode step of fewer than 8 sequences; one float32 pass over the same bytes was faster at 1–2 rows).
+  // The trainers' losses form their logits from lm_head() themselves (losses::DistillationHead), in float32.
   // Returns whether the bf16x3 products are on.
   enum class Float32Products { kFloat32, kBf16x3 };
   static constexpr std::int64_t kBf16x3MinRows = 8;

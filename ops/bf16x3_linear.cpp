@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/_unsafe_view.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -129,7 +130,9 @@ at::Tensor bf16x3_linear(const Bf16x3Rows& x, const Bf16x3Weight& weight, const 
   if (bias.defined()) out.add_(bias);
   std::vector<int64_t> sizes = x.leading;
   sizes.push_back(N);
-  return out.view(sizes);
+  // Not a view for autograd: the differentiable form returns this from a custom function, whose view outputs
+  // may not be modified in place (ATen's matmul returns its reshaped product the same way).
+  return at::_unsafe_view(out, sizes);
 }
 
 at::Tensor bf16x3_linear(const at::Tensor& x, const Bf16x3Rows& rows, const Bf16x3Weight& tiles,

@@ -26,19 +26,20 @@ for method in trimkv indexmem; do
     dtype=${variant%%:*} products=${variant##*:}
     ours=$("$build"/bench/bench_train_step "$model" "$method" "$T" "$B" "$steps" cpu "$dtype" \
       model.threads="$threads" model.fp32_products="$products" "${keys[@]}" | tail -n 1)
+    printf '%s\n' "$ours"
     if [[ $products == float32 ]]; then  # the bf16x3 run is compared with the float32 peer just measured
       peer=$(.venv/bin/python "$peer_script" "$model" "$T" "$B" "$steps" "$threads" \
         "${peer_args[@]}" "$dtype" 2>/dev/null | tail -n 1)
+      printf '%s\n' "$peer"
     fi
-    printf '%s\n%s\n' "$ours" "$peer"
-    .venv/bin/python - "$ours" "$peer" "$products" <<'PY'
+    .venv/bin/python - "$ours" "$peer" <<'PY'
 import json, sys
 k, p = (json.loads(a) for a in sys.argv[1:3])
-products = "" if sys.argv[3] == "float32" else f" (kvbound's products: {sys.argv[3]})"
+products = "" if k["fp32_products"] == "float32" else f" (kvbound's products: {k['fp32_products']})"
 print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']} {p['dtype']}{products}: kvbound "
       f"{k['ms_per_update']:.0f} ms (loss {k['loss']:.4f}), pytorch {p['ms_per_update']:.0f} ms "
       f"(loss {p['loss']:.4f}), ratio {p['ms_per_update'] / k['ms_per_update']:.2f}x")
-if k.get("unavoidable_products_ms") is not None and sys.argv[3] == "float32":
+if k.get("unavoidable_products_ms") is not None and k["fp32_products"] == "float32":
     print(f"  the update's unavoidable matrix products alone: {k['unavoidable_products_ms']:.0f} ms = "
           f"{k['unavoidable_products_ms'] / k['ms_per_update']:.0%} of kvbound's update; an update on this GEMM can be "
           f"at most {p['ms_per_update'] / k['unavoidable_products_ms']:.2f}x pytorch")

@@ -126,6 +126,12 @@ TEST(Bf16x3Linear, TheInputGradientIsTheFloat32Gemms) {
   const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
   at::linear(x_ref, w, bias).backward(dy);
   EXPECT_TRUE(at::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-5));
+  // Its output is no view: a later in-place op on it (or on a view of it) stays differentiable.
+  x.mutable_grad() = at::Tensor();
+  at::Tensor scaled = ops::bf16x3_linear(x, ops::split_rows(x.detach()), ops::Bf16x3Weight(w), w, bias);
+  scaled.view({80, 192}).mul_(2);
+  scaled.backward(dy);
+  EXPECT_TRUE(at::allclose(x.grad(), 2 * x_ref.grad(), 1e-5, 1e-5));
 }
 
 }  // namespace
