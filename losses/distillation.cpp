@@ -67,7 +67,7 @@ Rows flatten(const at::Tensor& student, const at::Tensor& teacher, const at::Ten
           at::where(weights.reshape({-1}).gt(0), targets.reshape({-1}), 0), w / w.sum()};
 }
 
-int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+using ops::amx::round_up;
 
 // Both terms need only two [rows, V] float buffers at a time because every product of a distribution with the
 // head is taken through the head instead: Σ_v p[v]·W[v] = p·W ([rows, d]). Per block (ops/distillation_rows.h):

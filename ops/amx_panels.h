@@ -12,6 +12,9 @@ namespace kvbound::ops::amx {
 
 constexpr int64_t kPanel = 64;  // oneDNN's pack writes leading dimensions 16, 32, 48 and 64 only
 
+// n rounded up to a multiple of `multiple`: whole panels of columns, and an even depth K (bfloat16 pairs).
+constexpr int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 // Whether this CPU's oneDNN packs bfloat16 for its micro-kernels (AMX), with oneDNN enabled.
 bool bf16_available();
 

@@ -27,7 +27,7 @@ namespace cpublas = at::native::cpublas;
 // task's weight panel streams past.
 constexpr int64_t kRowBlock = 128;
 
-int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+using amx::round_up;
 
 // One row of x as x_hi and x_lo, zero-padded to `padded` columns.
 KVBOUND_VECTOR_CLONES void split_row(const float* x, int64_t K, int64_t padded, uint16_t* hi, uint16_t* lo) {
