@@ -1,5 +1,6 @@
-// The CPU bfloat16 prefill attention (ops/causal_attention_cpu.h) against its peer in the same run, SDPA's CPU
-// flash kernel with GQA (what the backbone called before, and what transformers calls): one layer's causal
+// The CPU prefill attention (ops/causal_attention_cpu.h; bfloat16, or float32 as bf16x3) against its peer in the
+// same run, SDPA's CPU flash kernel with GQA in the same dtype (what the backbone calls otherwise, and what
+// transformers calls): one layer's causal
 // attention of a chunk of T queries over `cached` + T keys, Hq query heads over Hkv KV heads, head dim D, the
 // best of `repeats` timings of `layers` calls. Prints one JSON line with both times, their ratio and the largest
 // difference between the two outputs.
@@ -20,7 +21,7 @@
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: bench_cpu_attention T [cached=0] [threads=2] [Hq=9] [Hkv=3] [D=64] [layers=30] [repeats=7]\n"
+    std::cerr << "usage: bench_cpu_attention T [cached=0] [threads=2] [Hq=9] [Hkv=3] [D=64] [layers=30] [repeats=7] [dtype=bfloat16]\n"
                  "  (defaults: SmolLM2-135M's attention at the forward benchmark's T = 512)\n";
     return 2;
   }
@@ -30,12 +31,18 @@ int main(int argc, char** argv) {
   const long Hq = argc > 4 ? std::stol(argv[4]) : 9, Hkv = argc > 5 ? std::stol(argv[5]) : 3;
   const long D = argc > 6 ? std::stol(argv[6]) : 64;
   const int layers = argc > 7 ? std::stoi(argv[7]) : 30, repeats = argc > 8 ? std::stoi(argv[8]) : 7;
+  const std::string dtype_name = argc > 9 ? argv[9] : "bfloat16";
+  if (dtype_name != "bfloat16" && dtype_name != "float32") {
+    std::cerr << "bench_cpu_attention: dtype '" << dtype_name << "' (bfloat16, float32)\n";
+    return 2;
+  }
+  const at::ScalarType dtype = dtype_name == "float32" ? at::kFloat : at::kBFloat16;
   at::set_num_threads(threads);
   const c10::InferenceMode no_autograd;
   at::manual_seed(0);
   const long N = cached + T;
-  const at::Tensor q = at::randn({1, Hq, T, D}).to(at::kBFloat16);
-  const at::Tensor k = at::randn({1, Hkv, N, D}).to(at::kBFloat16), v = at::randn({1, Hkv, N, D}).to(at::kBFloat16);
+  const at::Tensor q = at::randn({1, Hq, T, D}).to(dtype);
+  const at::Tensor k = at::randn({1, Hkv, N, D}).to(dtype), v = at::randn({1, Hkv, N, D}).to(dtype);
   if (!kvbound::ops::causal_attention_cpu_supported(q, k, v)) {
     std::cerr << "bench_cpu_attention: the kernel does not take these shapes on this CPU (ops/causal_attention_cpu.h)\n";
     return 1;
@@ -47,8 +54,8 @@ int main(int argc, char** argv) {
   const double ours = kvbound::bench::best_seconds([&] { for (int l = 0; l < layers; ++l) kvbound::ops::causal_attention_cpu(q, k, v, nullptr); }, repeats);
   const double peer = kvbound::bench::best_seconds([&] { for (int l = 0; l < layers; ++l) sdpa(); }, repeats);
   const double diff = (kvbound::ops::causal_attention_cpu(q, k, v, nullptr).to(at::kFloat) - sdpa().to(at::kFloat)).abs().max().item<double>();
-  std::printf("{\"bench\": \"cpu_attention\", \"T\": %ld, \"cached\": %ld, \"Hq\": %ld, \"Hkv\": %ld, \"D\": %ld, "
+  std::printf("{\"bench\": \"cpu_attention\", \"dtype\": \"%s\", \"T\": %ld, \"cached\": %ld, \"Hq\": %ld, \"Hkv\": %ld, \"D\": %ld, "
               "\"layers\": %d, \"threads\": %d, \"kvbound_s\": %.5f, \"sdpa_s\": %.5f, \"ratio\": %.3f, "
               "\"max_abs_diff\": %.3g}\n",
-              T, cached, Hq, Hkv, D, layers, threads, ours, peer, peer / ours, diff);
+              dtype_name.c_str(), T, cached, Hq, Hkv, D, layers, threads, ours, peer, peer / ours, diff);
 }

@@ -263,8 +263,10 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   cache.append(call.layer, call.k, call.v, call.positions);
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
-  if (ops::causal_attention_cpu_fits(call.q, keys, values)) {
-    // A bfloat16 prefill chunk on an AMX CPU (ops/causal_attention_cpu.h): the logsumexp comes with it.
+  const bool on_tiles = call.q.scalar_type() != at::kFloat || call.bf16x3;  // float32 only where asked for
+  if (on_tiles && ops::causal_attention_cpu_fits(call.q, keys, values)) {
+    // A bfloat16 prefill chunk on an AMX CPU, or a float32 one of a bf16x3 backbone (ops/causal_attention_cpu.h):
+    // the logsumexp comes with it.
     at::Tensor lse;
     call.output = ops::causal_attention_cpu(call.q, keys, values, call.wants_logsumexp ? &lse : nullptr);
     if (call.wants_logsumexp) call.logsumexp = lse.unsqueeze(-1);
@@ -309,6 +311,7 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.positions = positions;
   call.inv_freq = inv_freq_;
   call.start = cache.next_position();
+  call.bf16x3 = bf16x3_on_;
   ProjectionInput input(call.normed_input, on_bf16x3(call.normed_input));
   auto project = [&](const at::Tensor& w, const ops::Bf16x3Weight& tiles, const at::Tensor& b, std::int64_t heads) {
     return input.apply(w, tiles, b).view({B, T, heads, c.head_dim}).transpose(1, 2);

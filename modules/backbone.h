@@ -33,6 +33,9 @@ struct AttentionCall {
   // attention kernel returns it (CPU), so the scores are not formed twice.
   bool wants_logsumexp = false;
   at::Tensor logsumexp;
+  // Set by a float32 backbone whose products are bf16x3 (Backbone::set_float32_products): attention's products
+  // too, where ops/causal_attention_cpu takes the chunk. Calls made elsewhere (the trainers' replays) keep SDPA.
+  bool bf16x3 = false;
 };
 
 class AttentionHook {
@@ -98,6 +101,7 @@ class Backbone {
   // as the float32 weights) where this CPU has AMX; elsewhere, in bfloat16 compute and on other devices it is
   // refused (returns false) and the float32 GEMM runs, as it does for chunks of fewer than kBf16x3MinRows rows
   // (B·T: a decode step of fewer than 8 sequences; one float32 pass over the same bytes was faster at 1–2 rows).
+  // Prefill chunks' attention too (AttentionCall::bf16x3; ops/causal_attention_cpu.h, from 128 queries).
   // The trainers' losses form their logits from lm_head() themselves (losses::DistillationHead), in float32.
   // Returns whether the bf16x3 products are on.
   enum class Float32Products { kFloat32, kBf16x3 };

@@ -45,10 +45,10 @@ at::Tensor pack_transposed_panels(const at::Tensor& rows) {
 }
 
 void multiply_panels(const uint16_t* A, int64_t M, int64_t D, int64_t lda, const uint16_t* packed, int64_t first,
-                     int64_t last, float* C, int64_t ldc) {
+                     int64_t last, float* C, int64_t ldc, bool accumulate) {
   const auto* a = reinterpret_cast<const at::BFloat16*>(A);
   for (int64_t j = first; j < last; ++j)
-    cpublas::brgemm(M, kPanel, D, lda, kPanel, ldc, false, a,
+    cpublas::brgemm(M, kPanel, D, lda, kPanel, ldc, accumulate, a,
                     reinterpret_cast<const at::BFloat16*>(packed + j * D * kPanel), C + j * kPanel);
 }
 

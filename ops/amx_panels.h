@@ -25,10 +25,11 @@ void pack_transposed_panels(const uint16_t* rows, int64_t ld, int64_t N, int64_t
 // The same for a CPU bfloat16 tensor [N, D] with unit stride along D: a new [ceil(N / 64)·64·D] bfloat16 tensor.
 at::Tensor pack_transposed_panels(const at::Tensor& rows);
 
-// C[:, 64·j, 64·j + 64) = A·panel j for panels [first, last): A [M, D] bfloat16 bits (row stride lda), C float32
-// (row stride ldc, 64·last columns). Call release() when a thread is done with these products.
+// C[:, 64·j, 64·j + 64) = A·panel j for panels [first, last) (or += with `accumulate`): A [M, D] bfloat16 bits
+// (row stride lda), C float32 (row stride ldc, 64·last columns). Call release() when a thread is done with these
+// products.
 void multiply_panels(const uint16_t* A, int64_t M, int64_t D, int64_t lda, const uint16_t* packed, int64_t first,
-                     int64_t last, float* C, int64_t ldc);
+                     int64_t last, float* C, int64_t ldc, bool accumulate = false);
 
 // The same product for a K far beyond the cache (a vocabulary): K in slices of kKSlice, each slice of A read
 // from memory once while every panel's slice streams past, C accumulating in float32. The panels' split over

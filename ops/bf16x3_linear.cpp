@@ -29,16 +29,6 @@ constexpr int64_t kRowBlock = 128;
 
 using amx::round_up;
 
-// One row of x as x_hi and x_lo, zero-padded to `padded` columns.
-KVBOUND_VECTOR_CLONES void split_row(const float* x, int64_t K, int64_t padded, uint16_t* hi, uint16_t* lo) {
-  for (int64_t k = 0; k < K; ++k) {
-    const uint16_t h = cpu::float_to_bf16(x[k]);
-    hi[k] = h;
-    lo[k] = cpu::float_to_bf16(x[k] - cpu::bf16_to_float(h));  // exact for finite x below bf16's largest
-  }
-  for (int64_t k = K; k < padded; ++k) hi[k] = lo[k] = 0;
-}
-
 const at::BFloat16* as_bf16(const uint16_t* p) { return reinterpret_cast<const at::BFloat16*>(p); }
 
 // The tiles' forward; the input gradient dY·W in float32. Only W is saved (the input is not needed: W is frozen).
@@ -60,6 +50,15 @@ class Bf16x3LinearFunction : public torch::autograd::Function<Bf16x3LinearFuncti
 }  // namespace
 
 bool bf16x3_available() { return amx::bf16_available(); }
+
+KVBOUND_VECTOR_CLONES void split_row(const float* x, int64_t K, int64_t padded, uint16_t* hi, uint16_t* lo) {
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t h = cpu::float_to_bf16(x[k]);
+    hi[k] = h;
+    lo[k] = cpu::float_to_bf16(x[k] - cpu::bf16_to_float(h));  // exact for finite x below bf16's largest
+  }
+  for (int64_t k = K; k < padded; ++k) hi[k] = lo[k] = 0;
+}
 
 Bf16x3Weight::Bf16x3Weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.numel() > 0,

@@ -37,6 +37,9 @@ class Bf16x3Weight {
   int64_t out_ = 0, in_ = 0, padded_in_ = 0;
 };
 
+// One float32 row x [K] as x_hi and x_lo, bfloat16 bits each, zero-padded to `padded` ≥ K columns.
+void split_row(const float* x, int64_t K, int64_t padded, uint16_t* hi, uint16_t* lo);
+
 // Rows of a float32 input [..., K] as x_hi and x_lo ([M, K rounded up to even] bfloat16 each), split once for
 // every weight that reads the same input (q, k and v; gate and up).
 struct Bf16x3Rows {

@@ -9,9 +9,11 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "ops/amx_panels.h"
+#include "ops/bf16x3_linear.h"
 #include "ops/cpu_vector.h"
 
 namespace kvbound::ops {
@@ -22,7 +24,9 @@ using Bits = uint16_t;  // bfloat16 as its bits; the cpublas calls take at::BFlo
 
 // Keys per packed panel of Kᵀ and per packed block of V, columns per packed slice of V.
 constexpr int64_t kBlock = amx::kPanel;
-constexpr int64_t kMinQueries = 192;  // below it SDPA's kernel was as fast or faster (bench_cpu_attention)
+// Below these query counts SDPA's kernel was as fast or faster (bench_cpu_attention, bfloat16 and float32).
+constexpr int64_t kMinQueriesBf16 = 192;
+constexpr int64_t kMinQueriesFloat32 = 128;
 constexpr int64_t kMaxKeys = 4096;
 // Score rows per task (a GQA group's heads × a block of queries): up to 256, so a task's scores stay ~4 MiB at
 // 4096 keys whatever the group size. Their row stride is fixed, so the score product's micro-kernel (oneDNN
@@ -49,11 +53,13 @@ void pack_values(const Bits* values, int64_t ld, int64_t N, int64_t D, Bits* pac
     }
 }
 
-// One score row s [width] in place: for k < visible, p[k] = bfloat16(e^(scale·s[k] − m)) with m = scale·max s;
-// p[k] = 0 for visible ≤ k < width. Returns m and Σ e in float32, summed in ops/cpu_vector.h's fixed order.
-// The row is padded with −∞ to whole 16-lane chunks first (every key's weight there is 0), so no loop has a
-// scalar tail: rows average a few hundred keys, and a tail cost as much as a tenth of the row.
-KVBOUND_VECTOR_CLONES void softmax_row(float* s, Bits* p, int64_t visible, int64_t width, float scale,
+// One score row s [width] in place: for k < visible, p[k] = e^(scale·s[k] − m) with m = scale·max s, as bfloat16
+// (p_hi) or, with kSplit, as the sum of two (p_hi + p_lo, bf16x3's split); p[k] = 0 for visible ≤ k < width.
+// Returns m and Σ e in float32, summed in ops/cpu_vector.h's fixed order. The row is padded with −∞ to whole
+// 16-lane chunks first (every key's weight there is 0), so no loop has a scalar tail: rows average a few hundred
+// keys, and a tail cost as much as a tenth of the row.
+template <bool kSplit>
+KVBOUND_VECTOR_CLONES void softmax_row(float* s, Bits* p_hi, Bits* p_lo, int64_t visible, int64_t width, float scale,
                                         float& row_max, float& row_sum) {
   constexpr int kLanes = 16;
   const int64_t chunked = (visible + kLanes - 1) / kLanes * kLanes;  // ≤ width (a multiple of 64)
@@ -69,11 +75,21 @@ KVBOUND_VECTOR_CLONES void softmax_row(float* s, Bits* p, int64_t visible, int64
   // e alone in its loop: beside the sum and the conversion GCC vectorizes it worse (measured 1.5x slower).
 #pragma omp simd
   for (int64_t k = 0; k < chunked; ++k) s[k] = cpu::exp2_nonpositive(s[k] * log2_scale - shift);
-  row_sum = cpu::fixed_order_sum(chunked, [s, p](int64_t k) {
-    p[k] = cpu::float_to_bf16(s[k]);
-    return s[k];
-  });
-  std::fill(p + chunked, p + width, Bits{0});
+  if constexpr (kSplit) {
+    row_sum = cpu::fixed_order_sum(chunked, [s, p_hi, p_lo](int64_t k) {
+      const Bits hi = cpu::float_to_bf16(s[k]);
+      p_hi[k] = hi;
+      p_lo[k] = cpu::float_to_bf16(s[k] - cpu::bf16_to_float(hi));
+      return s[k];
+    });
+    std::fill(p_lo + chunked, p_lo + width, Bits{0});
+  } else {
+    row_sum = cpu::fixed_order_sum(chunked, [s, p_hi](int64_t k) {
+      p_hi[k] = cpu::float_to_bf16(s[k]);
+      return s[k];
+    });
+  }
+  std::fill(p_hi + chunked, p_hi + width, Bits{0});
   row_max = max * scale;
 }
 
@@ -82,59 +98,78 @@ KVBOUND_VECTOR_CLONES void write_row(const float* o, float inv_sum, int64_t D, B
   for (int64_t d = 0; d < D; ++d) out[d] = cpu::float_to_bf16(o[d] * inv_sum);
 }
 
-}  // namespace
-
-bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
-  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || q.scalar_type() != at::kBFloat16 ||
-      keys.scalar_type() != at::kBFloat16 || values.scalar_type() != at::kBFloat16 || q.dim() != 4 ||
-      keys.dim() != 4 || values.sizes() != keys.sizes())
-    return false;
-  const int64_t D = q.size(3), T = q.size(2), N = keys.size(2), Hkv = keys.size(1);
-  if ((D != 64 && D != 128) || keys.size(3) != D || keys.size(0) != q.size(0) || Hkv < 1 || q.size(1) % Hkv != 0 ||
-      T < 1 || N < T || N > kMaxKeys)
-    return false;
-  if (q.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1) return false;
-  if (at::GradMode::is_enabled() && (q.requires_grad() || keys.requires_grad() || values.requires_grad())) return false;
-  return amx::bf16_available();
+KVBOUND_VECTOR_CLONES void write_row(const float* o, float inv_sum, int64_t D, float* out) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inv_sum;
 }
 
-bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
-  return q.dim() == 4 && q.size(2) >= kMinQueries && causal_attention_cpu_supported(q, keys, values);
+// A matrix in bfloat16 tile operands: `hi` alone for bfloat16 inputs (one pass per product), hi and lo for float32
+// ones (bf16x3: the products hi·hi + lo·hi + hi·lo, ops/bf16x3_linear.h).
+struct Split {
+  Bits* hi;
+  Bits* lo;  // null for bfloat16 inputs
+};
+
+// `rows` [n, D] (row stride ld) as tile operands, into `out` [n, D] (unit stride): bfloat16 rows are copied;
+// float32 rows are split.
+void to_operands(const Bits* rows, int64_t ld, int64_t n, int64_t D, Split out) {
+  for (int64_t r = 0; r < n; ++r) std::copy_n(rows + r * ld, D, out.hi + r * D);
+}
+void to_operands(const float* rows, int64_t ld, int64_t n, int64_t D, Split out) {
+  for (int64_t r = 0; r < n; ++r) split_row(rows + r * ld, D, D, out.hi + r * D, out.lo + r * D);
 }
 
-at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                at::Tensor* logsumexp) {
-  TORCH_CHECK(causal_attention_cpu_supported(q, keys, values), "causal_attention_cpu: inputs outside its fast path");
+// The kernel, for bfloat16 (Element = Bits) or float32 (Element = float, its products as bf16x3).
+template <typename Element>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor* logsumexp) {
+  constexpr bool kSplit = std::is_same_v<Element, float>;
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = keys.size(1), N = keys.size(2), G = Hq / Hkv, cached = N - T;
   const int64_t key_blocks = (N + kBlock - 1) / kBlock, padded = key_blocks * kBlock;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   // Queries per task: 64, fewer for large groups (G·queries ≤ 256 score rows); 1 for a group of more than 256.
   const int64_t queries = std::max<int64_t>(1, std::min<int64_t>(kBlock, kMaxRows / G));
+  const int64_t parts = kSplit ? 2 : 1;  // tile operands per matrix: hi (and lo)
 
   // K and V packed once per (row, KV head): every query head of the group and every query block reads them.
   const auto bits = q.options().dtype(at::kBFloat16);
-  const at::Tensor packed_k = at::empty({B, Hkv, padded * D}, bits), packed_v = at::empty({B, Hkv, padded * D}, bits);
-  const auto* k_data = static_cast<const Bits*>(keys.const_data_ptr());
-  const auto* v_data = static_cast<const Bits*>(values.const_data_ptr());
+  const at::Tensor packed_k = at::empty({parts, B * Hkv, padded * D}, bits);
+  const at::Tensor packed_v = at::empty({parts, B * Hkv, padded * D}, bits);
+  const auto* k_data = static_cast<const Element*>(keys.const_data_ptr());
+  const auto* v_data = static_cast<const Element*>(values.const_data_ptr());
   auto* pk = static_cast<Bits*>(packed_k.mutable_data_ptr());
   auto* pv = static_cast<Bits*>(packed_v.mutable_data_ptr());
+  const int64_t part_stride = B * Hkv * padded * D;
+  const auto packed = [&](Bits* base, int64_t bh) {
+    return Split{base + bh * padded * D, kSplit ? base + part_stride + bh * padded * D : nullptr};
+  };
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Bits> scratch;
+    std::vector<Bits> scratch, hi(kSplit ? static_cast<size_t>(N * D) : 0), lo(hi.size());
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
-      // Kᵀ in panels of 64 keys, keys past N zero (masked out of every score row).
-      amx::pack_transposed_panels(k_data + b * keys.stride(0) + h * keys.stride(1), keys.stride(2), N, D,
-                                  pk + bh * padded * D);
-      pack_values(v_data + b * values.stride(0) + h * values.stride(1), values.stride(2), N, D, pv + bh * padded * D,
-                  scratch);
+      const Element* k_head = k_data + b * keys.stride(0) + h * keys.stride(1);
+      const Element* v_head = v_data + b * values.stride(0) + h * values.stride(1);
+      const Split k_out = packed(pk, bh), v_out = packed(pv, bh);
+      // Kᵀ in panels of 64 keys, keys past N zero (masked out of every score row); bfloat16 rows packed where
+      // they lie, float32 rows split into hi and lo first.
+      if constexpr (kSplit) {
+        to_operands(k_head, keys.stride(2), N, D, Split{hi.data(), lo.data()});
+        amx::pack_transposed_panels(hi.data(), D, N, D, k_out.hi);
+        amx::pack_transposed_panels(lo.data(), D, N, D, k_out.lo);
+        to_operands(v_head, values.stride(2), N, D, Split{hi.data(), lo.data()});
+        pack_values(hi.data(), D, N, D, v_out.hi, scratch);
+        pack_values(lo.data(), D, N, D, v_out.lo, scratch);
+      } else {
+        amx::pack_transposed_panels(k_head, keys.stride(2), N, D, k_out.hi);
+        pack_values(v_head, values.stride(2), N, D, v_out.hi, scratch);
+      }
     }
   });
 
-  const at::Tensor out = at::empty({B, T, Hq, D}, bits);  // [B, Hq, T, D] through the transpose below
+  const at::Tensor out = at::empty({B, T, Hq, D}, q.options());  // [B, Hq, T, D] through the transpose below
   at::Tensor lse = logsumexp ? at::empty({B, Hq, T}, q.options().dtype(at::kFloat)) : at::Tensor();
-  const auto* q_data = static_cast<const Bits*>(q.const_data_ptr());
-  auto* out_data = static_cast<Bits*>(out.mutable_data_ptr());
+  const auto* q_data = static_cast<const Element*>(q.const_data_ptr());
+  auto* out_data = static_cast<Element*>(out.mutable_data_ptr());
   float* lse_data = logsumexp ? lse.mutable_data_ptr<float>() : nullptr;
   const int64_t query_blocks = (T + queries - 1) / queries, max_rows = G * queries;
 
@@ -142,7 +177,7 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
     // Per task: the group's queries as one [G·queries, D] block, its scores, weights and weighted values
     // (uninitialised: every entry a task reads it has written).
     const auto rows_of = [&](int64_t n) { return static_cast<size_t>(max_rows * n); };
-    const std::unique_ptr<Bits[]> q_rows(new Bits[rows_of(D)]), weights(new Bits[rows_of(padded)]);
+    const std::unique_ptr<Bits[]> q_rows(new Bits[rows_of(parts * D)]), weights(new Bits[rows_of(parts * padded)]);
     const std::unique_ptr<float[]> scores(new float[rows_of(kScoreStride)]), acc(new float[rows_of(D)]);
     std::vector<float> row_max(static_cast<size_t>(max_rows)), row_sum(static_cast<size_t>(max_rows));
     for (int64_t task = begin; task < end; ++task) {
@@ -151,19 +186,37 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
       const int64_t bh = task / query_blocks, b = bh / Hkv, h = bh % Hkv, p = task % query_blocks;
       const int64_t s0 = (p % 2 == 0 ? p / 2 : query_blocks - 1 - p / 2) * queries;
       const int64_t qn = std::min(queries, T - s0), rows = G * qn;
+      const Split q_split{q_rows.get(), kSplit ? q_rows.get() + rows * D : nullptr};
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < qn; ++t)
-          std::copy_n(q_data + b * q.stride(0) + (h * G + g) * q.stride(1) + (s0 + t) * q.stride(2), D,
-                      q_rows.get() + (g * qn + t) * D);
+        to_operands(q_data + b * q.stride(0) + (h * G + g) * q.stride(1) + s0 * q.stride(2), q.stride(2), qn, D,
+                    Split{q_split.hi + g * qn * D, kSplit ? q_split.lo + g * qn * D : nullptr});
       // The block's last query sees cached + s0 + qn keys; earlier rows mask the rest of that width.
       const int64_t blocks = (cached + s0 + qn + kBlock - 1) / kBlock, width = blocks * kBlock;
-      amx::multiply_panels(q_rows.get(), rows, D, D, pk + bh * padded * D, 0, blocks, scores.get(), kScoreStride);
+      const Split k_in = packed(pk, bh), v_in = packed(pv, bh);
+      // Per panel of keys, the large term first, then bf16x3's two corrections into the same float32 scores.
+      for (int64_t j = 0; j < blocks; ++j) {
+        amx::multiply_panels(q_split.hi, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride);
+        if (kSplit) {
+          amx::multiply_panels(q_split.lo, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride, true);
+          amx::multiply_panels(q_split.hi, rows, D, D, k_in.lo, j, j + 1, scores.get(), kScoreStride, true);
+        }
+      }
+      const Split w{weights.get(), kSplit ? weights.get() + rows * width : nullptr};
       for (int64_t r = 0; r < rows; ++r)
-        softmax_row(scores.get() + r * kScoreStride, weights.get() + r * width, cached + s0 + r % qn + 1, width,
-                    scale, row_max[static_cast<size_t>(r)], row_sum[static_cast<size_t>(r)]);
-      for (int64_t c = 0; c < D; c += kBlock)
-        cpublas::brgemm(rows, kBlock, width, width, kBlock, D, false, as_bf16(weights.get()),
-                        as_bf16(pv + bh * padded * D + (c / kBlock) * key_blocks * kBlock * kBlock), acc.get() + c);
+        softmax_row<kSplit>(scores.get() + r * kScoreStride, w.hi + r * width, kSplit ? w.lo + r * width : nullptr,
+                            cached + s0 + r % qn + 1, width, scale, row_max[static_cast<size_t>(r)],
+                            row_sum[static_cast<size_t>(r)]);
+      for (int64_t c = 0; c < D; c += kBlock) {
+        const int64_t slice = (c / kBlock) * key_blocks * kBlock * kBlock;
+        const auto product = [&](const Bits* a, const Bits* v, bool accumulate) {
+          cpublas::brgemm(rows, kBlock, width, width, kBlock, D, accumulate, as_bf16(a), as_bf16(v + slice), acc.get() + c);
+        };
+        product(w.hi, v_in.hi, false);
+        if (kSplit) {
+          product(w.lo, v_in.hi, true);
+          product(w.hi, v_in.lo, true);
+        }
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t g = r / qn, t = s0 + r % qn, head = h * G + g;
         write_row(acc.get() + r * D, 1.f / row_sum[static_cast<size_t>(r)], D, out_data + ((b * T + t) * Hq + head) * D);
@@ -175,6 +228,36 @@ at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
   });
   if (logsumexp) *logsumexp = lse;
   return out.transpose(1, 2);
+}
+
+}  // namespace
+
+bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  const at::ScalarType dtype = q.scalar_type();
+  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || (dtype != at::kBFloat16 && dtype != at::kFloat) ||
+      keys.scalar_type() != dtype || values.scalar_type() != dtype || q.dim() != 4 || keys.dim() != 4 ||
+      values.sizes() != keys.sizes())
+    return false;
+  const int64_t D = q.size(3), T = q.size(2), N = keys.size(2), Hkv = keys.size(1);
+  if ((D != 64 && D != 128) || keys.size(3) != D || keys.size(0) != q.size(0) || Hkv < 1 || q.size(1) % Hkv != 0 ||
+      T < 1 || N < T || N > kMaxKeys)
+    return false;
+  if (q.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1) return false;
+  if (at::GradMode::is_enabled() && (q.requires_grad() || keys.requires_grad() || values.requires_grad())) return false;
+  return amx::bf16_available();
+}
+
+bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  if (q.dim() != 4) return false;
+  const int64_t min_queries = q.scalar_type() == at::kFloat ? kMinQueriesFloat32 : kMinQueriesBf16;
+  return q.size(2) >= min_queries && causal_attention_cpu_supported(q, keys, values);
+}
+
+at::Tensor causal_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                at::Tensor* logsumexp) {
+  TORCH_CHECK(causal_attention_cpu_supported(q, keys, values), "causal_attention_cpu: inputs outside its fast path");
+  return q.scalar_type() == at::kFloat ? attend<float>(q, keys, values, logsumexp)
+                                       : attend<Bits>(q, keys, values, logsumexp);
 }
 
 }  // namespace kvbound::ops

@@ -164,4 +164,49 @@ TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
   }
 }
 
+// A float32 chunk takes ops/causal_attention_cpu only when the call says the backbone's products are bf16x3
+// (AttentionCall::bf16x3): then within 32× the plain float32 formula's error of the float64 one, with its
+// logsumexp; otherwise SDPA's output, bit for bit. A first chunk of 192 queries and one after 192 cached entries.
+TEST(AttendOverCache, Float32ChunksTakeTheAmxKernelOnlyUnderBf16x3) {
+  const at::Tensor probe = at::randn({1, 6, 192, 64}), probe_kv = at::randn({1, 2, 192, 64});
+  if (!ops::causal_attention_cpu_fits(probe, probe_kv, probe_kv))
+    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): SDPA runs every chunk here";
+  at::manual_seed(22);
+  KVCache plain(1), tiles(1);
+  for (std::int64_t start = 0; start < 384; start += 192) {
+    AttentionCall call;
+    call.q = at::randn({2, 6, 192, 64}) * 2;
+    call.k = at::randn({2, 2, 192, 64});
+    call.v = at::randn({2, 2, 192, 64});
+    call.positions = at::arange(start, start + 192, at::TensorOptions().dtype(at::kLong));
+    AttentionCall on_tiles = call;
+    on_tiles.bf16x3 = true;
+    on_tiles.wants_logsumexp = true;
+    attend_over_cache(call, plain, nullptr);
+    attend_over_cache(on_tiles, tiles, nullptr);
+    const std::string where = "start " + std::to_string(start);
+    const std::int64_t N = start + 192;
+    const at::Tensor keys = tiles.keys(0).repeat_interleave(3, 1), values = tiles.values(0).repeat_interleave(3, 1);
+    auto scores_at = [&](at::ScalarType precision) {
+      at::Tensor scores = at::matmul(call.q.to(precision), keys.to(precision).transpose(-1, -2)) / 8.0;
+      for (std::int64_t t = 0; t < 192; ++t) scores.narrow(2, t, 1).narrow(3, start + t + 1, N - start - t - 1).fill_(-INFINITY);
+      return scores;
+    };
+    const at::Tensor mask = scores_at(at::kFloat).isfinite();
+    EXPECT_TRUE(at::equal(call.output, at::scaled_dot_product_attention(call.q, keys, values, mask))) << where;
+    const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
+    const at::Tensor plain_float = at::matmul(at::softmax(scores_at(at::kFloat), -1), values);
+    const double error = max_abs_diff(on_tiles.output.to(at::kDouble), exact);
+    EXPECT_GT(error, 0) << where;
+    EXPECT_LE(error, 32 * max_abs_diff(plain_float.to(at::kDouble), exact)) << where;
+    EXPECT_FALSE(at::equal(on_tiles.output, call.output)) << where << ": the kernel did not run";
+    const at::Tensor want_lse = at::logsumexp(scores_at(at::kDouble), -1, true);
+    ASSERT_EQ(on_tiles.logsumexp.sizes(), want_lse.sizes()) << where;
+    const double plain_lse_error = max_abs_diff(at::logsumexp(scores_at(at::kFloat), -1, true).to(at::kDouble), want_lse);
+    EXPECT_LE(max_abs_diff(on_tiles.logsumexp.to(at::kDouble), want_lse), 32 * plain_lse_error) << where;
+    plain.advance(192);
+    tiles.advance(192);
+  }
+}
+
 }  // namespace

@@ -1,5 +1,6 @@
-// The CPU bfloat16 prefill attention (ops/causal_attention_cpu.h): within a small multiple of the plain bfloat16
-// formula's error against float64, output and row logsumexp, for first chunks and chunks after cached keys, GQA
+// The CPU prefill attention (ops/causal_attention_cpu.h): in bfloat16 within a small multiple of the plain
+// bfloat16 formula's error against float64, in float32 (bf16x3) within a multiple of the plain float32 formula's,
+// output and row logsumexp, for first chunks and chunks after cached keys, GQA
 // groups of 1 to 8, head dims 64 and 128, query counts that leave a partial block, 4096 keys, strided keys and
 // values; and which inputs it takes, and which it is the faster kernel for. Skipped, saying so, on a CPU whose
 // oneDNN does not pack bfloat16 (no AMX). tests/test_attend_over_cache.cpp runs it through the backbone's path.
@@ -78,6 +79,39 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
   }
 }
 
+// float32 inputs, their products as bf16x3 (ops/bf16x3_linear.h): within 32× the plain float32 formula's error
+// against float64 (measured 8–25×: the dropped terms are ~2^-16 of each product), output and logsumexp, and far
+// from bfloat16's (1/256 of its error: a lost correction term would show at about half of it).
+TEST(CausalAttentionCpu, Float32WithinAMultipleOfThePlainFloat32Error) {
+  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
+  at::manual_seed(13);
+  struct Shape { int64_t B, Hq, Hkv, T, cached, D; };
+  for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{2, 3, 3, 100, 37, 64}, Shape{1, 9, 3, 512, 0, 64},
+                        Shape{1, 4, 1, 192, 200, 128}, Shape{1, 16, 2, 130, 0, 128}, Shape{1, 3, 1, 192, 3904, 64}}) {
+    const int64_t N = s.cached + s.T;
+    const at::Tensor q = at::randn({s.B, s.Hq, s.T, s.D}) * 2;
+    const at::Tensor keys = at::randn({s.B, s.Hkv, N, s.D}), values = at::randn({s.B, s.Hkv, N, s.D});
+    const std::string where = "B " + std::to_string(s.B) + " Hq " + std::to_string(s.Hq) + " Hkv " +
+                              std::to_string(s.Hkv) + " T " + std::to_string(s.T) + " cached " +
+                              std::to_string(s.cached) + " D " + std::to_string(s.D);
+    ASSERT_TRUE(ops::causal_attention_cpu_supported(q, keys, values)) << where;
+    at::Tensor lse;
+    const at::Tensor out = ops::causal_attention_cpu(q, keys, values, &lse);
+    ASSERT_EQ(out.sizes(), q.sizes()) << where;
+    ASSERT_EQ(out.scalar_type(), at::kFloat) << where;
+    const at::Tensor exact = attention_at(q, keys, values, at::kDouble);
+    const double error = max_abs_diff(out, exact);
+    EXPECT_LE(error, 32 * max_abs_diff(attention_at(q, keys, values, at::kFloat), exact)) << where;
+    EXPECT_LE(error, max_abs_diff(attention_at(q, keys, values, at::kBFloat16), exact) / 256) << where;
+    const at::Tensor exact_lse = at::logsumexp(masked_scores(q, keys, at::kDouble), -1);
+    ASSERT_EQ(lse.sizes(), exact_lse.sizes()) << where;
+    const double lse_error = max_abs_diff(lse, exact_lse);
+    EXPECT_LE(lse_error, 32 * max_abs_diff(at::logsumexp(masked_scores(q, keys, at::kFloat), -1), exact_lse)) << where;
+    EXPECT_LE(lse_error, max_abs_diff(at::logsumexp(masked_scores(q, keys, at::kBFloat16), -1), exact_lse) / 256) << where;
+    EXPECT_TRUE(at::equal(ops::causal_attention_cpu(q, keys, values, nullptr), out)) << where;
+  }
+}
+
 // Strided keys and values (the cache's views of a larger buffer, and a [B, N, Hkv, D] layout seen as
 // [B, Hkv, N, D]) and queries from a transposed projection: the same result as contiguous copies.
 TEST(CausalAttentionCpu, ReadsStridedInputs) {
@@ -103,11 +137,17 @@ TEST(CausalAttentionCpu, TakesOnlyItsInputsAndRunsWhereItIsFaster) {
   // A short chunk: the kernel takes it, but SDPA's was faster there.
   EXPECT_TRUE(ops::causal_attention_cpu_supported(q.narrow(2, 0, 64), kv, kv));
   EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 64), kv, kv));
+  // float32 (bf16x3): from 128 queries, where SDPA's float32 kernel is already the slower.
+  const at::Tensor q32 = q.to(at::kFloat), kv32 = kv.to(at::kFloat);
+  EXPECT_TRUE(ops::causal_attention_cpu_fits(q32.narrow(2, 0, 128), kv32, kv32));
+  EXPECT_TRUE(ops::causal_attention_cpu_supported(q32.narrow(2, 0, 127), kv32, kv32));
+  EXPECT_FALSE(ops::causal_attention_cpu_fits(q32.narrow(2, 0, 127), kv32, kv32));
   const auto refused = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const char* why) {
     EXPECT_FALSE(ops::causal_attention_cpu_supported(q_, k_, v_)) << why;
     EXPECT_FALSE(ops::causal_attention_cpu_fits(q_, k_, v_)) << why;
   };
-  refused(q.to(at::kFloat), kv.to(at::kFloat), kv.to(at::kFloat), "float32");
+  refused(q.to(at::kFloat), kv, kv, "float32 queries, bfloat16 keys and values");
+  refused(q.to(at::kDouble), kv.to(at::kDouble), kv.to(at::kDouble), "float64");
   refused(at::randn({1, 6, 192, 32}, bf16), at::randn({1, 2, 200, 32}, bf16), at::randn({1, 2, 200, 32}, bf16),
           "head dim 32");
   refused(q, kv.narrow(2, 0, 100), kv.narrow(2, 0, 100), "fewer keys than queries");
