@@ -4,10 +4,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -153,16 +157,52 @@ void pool_probabilities(const at::Tensor& q, const at::Tensor& k, const scalar_t
   });
 }
 
+// When every query of any window fits one query block (the IndexMem default: window 32 ≤ block 64), that block's
+// logits against every key at once, [B, Hkv, G·W, T] (W = the window's queries: as many values as q itself when
+// W ≤ D), in a dozen ATen ops: the tiled passes make two small products and exps per (row, block) pair, which at
+// these sizes cost more in dispatch than in arithmetic (SmolLM2, T 511, W 32, 30 layers: DESIGN.md).
+at::Tensor window_block_importance(const at::Tensor& q, const at::Tensor& k, PoolMode pool, const PoolWindow& omega,
+                                   int64_t first_query) {
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
+  const int64_t W = T - first_query;
+  const at::ScalarType compute = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (W == 0) return at::zeros({B, Hkv, T}, q.options().dtype(compute));  // every window empty
+  // The G query heads of KV head j are j·G … j·G + G − 1: as rows g·W + i of one [G·W, D] block per KV head.
+  const at::Tensor queries = q.narrow(2, first_query, W).to(compute).reshape({B, Hkv, G * W, D});
+  const at::Tensor logits = at::matmul(queries, k.to(compute).transpose(-2, -1))
+                                .mul_(1.0 / std::sqrt(static_cast<double>(D)))
+                                .view({B, Hkv, G, W, T});
+  const auto long_options = q.options().dtype(at::kLong);
+  const at::Tensor query_positions = at::arange(first_query, T, long_options).unsqueeze(1);  // [W, 1]
+  const at::Tensor keys = at::arange(T, long_options).unsqueeze(0);                           // [1, T]
+  logits.masked_fill_(keys > query_positions, -std::numeric_limits<double>::infinity());
+  const at::Tensor log_probs = logits - logits.logsumexp(-1, true);  // log A_h[s, t]
+  const at::Tensor in_omega = query_positions >= window_starts(T, omega.window, omega.min_gap, q.options()).unsqueeze(0);
+  const at::Tensor outside = in_omega.logical_not();
+  const at::Tensor sizes = in_omega.sum(0);  // |Ω(t)| [T]
+  const double minus_inf = -std::numeric_limits<double>::infinity();
+  at::Tensor pooled;  // [B, Hkv, G, T]
+  if (pool == PoolMode::Mean) {
+    pooled = log_probs.exp().masked_fill_(outside, 0).sum(3) / sizes.clamp_min(1);
+  } else if (pool == PoolMode::Max) {
+    pooled = log_probs.masked_fill(outside, minus_inf).amax(3).exp();  // empty Ω: e^−∞ = 0
+  } else {
+    pooled = at::where(sizes > 0, log_probs.exp().exp().masked_fill_(outside, 0).sum(3).log(), 0.0);
+  }
+  return pooled.mean(2);
+}
+
 at::Tensor pooled_attention_importance_fwd_cpu(const at::Tensor& q, const at::Tensor& k, int64_t pool, int64_t window,
                                                int64_t min_gap, int64_t query_block, int64_t key_block) {
   const PoolMode mode = pool_mode_from_int(pool, kOpName);
   check_window_args(kOpName, min_gap, query_block, key_block);
-  const at::Tensor q_flat = flat_rows(q), k_flat = flat_rows(k);
   const int64_t T = q.size(2);
   const PoolWindow omega{T, window, min_gap};
-  const at::Tensor out = at::empty({k.size(0), k.size(1), T}, q_flat.options());
   // Only queries from Ω(0)'s start on are in any window; their rows need a logsumexp.
   const int64_t first_query = std::min(omega.start(0), T);
+  if (T - first_query <= query_block) return window_block_importance(q, k, mode, omega, first_query);
+  const at::Tensor q_flat = flat_rows(q), k_flat = flat_rows(k);
+  const at::Tensor out = at::empty({k.size(0), k.size(1), T}, q_flat.options());
   const at::Tensor lse = at::empty({q_flat.size(0), T}, q_flat.options());
   AT_DISPATCH_FLOATING_TYPES(q_flat.scalar_type(), "pooled_attention_importance_fwd_cpu", [&] {
     scalar_t* lse_data = lse.mutable_data_ptr<scalar_t>();

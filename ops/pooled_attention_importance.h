@@ -14,8 +14,12 @@
 // Memory-bounded, two passes: pass 1 keeps each query row's running max and sum over key blocks (its
 // logsumexp, only for queries in some Ω); pass 2 walks key blocks × the query blocks that meet Ω and keeps
 // a running sum, max (of logits, one exp at the end) or sum of exp(A) per key. O(B·Hq·T) memory plus one tile
-// per thread, never T×T. Dispatcher op kvbound::pooled_attention_importance_fwd with a CPU kernel (parallel
-// over batch × head × block); a CUDA kernel can register under the same schema.
+// per thread, never T×T. When every query of any window fits one query block (window ≤ query_block, e.g.
+// IndexMem's default 32 ≤ 64), the CPU kernel instead forms that block's logits against every key at once,
+// [B, Hkv, G·W, T] — W·T per head, as many values as q when W ≤ D — in a dozen ATen ops (the tiled passes' many
+// small products cost more in dispatch than in arithmetic there). Dispatcher op
+// kvbound::pooled_attention_importance_fwd with a CPU kernel (parallel over batch × head × block); a CUDA kernel
+// can register under the same schema.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -435,14 +435,18 @@ at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const a
                              int64_t min_gap) {
   const at::ScalarType compute = qI.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), T = qI.size(2), d = qI.size(3), G = Hq / Hk;
-  const at::Tensor q_eff =
-      (qI.to(compute).reshape({B, Hk, G, T, d}) * w.to(compute).reshape({B, Hk, G, T, 1})).sum(2);  // [B, Hk, T, d]
-  // Row r: Σ_{s ≥ r} q_g[s], for r = 0..T (row T is the empty sum of keys whose Ω is empty).
+  // Only the queries from the earliest start on are in any Ω (a window's last W, for IndexMem's training): the
+  // sums run over those alone, the same additions in the same order (the suffix sum starts at the last row).
+  const int64_t first = std::min(PoolWindow{T, window, min_gap}.start(0), T), S = T - first;
+  const at::Tensor q_eff = (qI.narrow(2, first, S).to(compute).reshape({B, Hk, G, S, d}) *
+                            w.narrow(2, first, S).to(compute).reshape({B, Hk, G, S, 1}))
+                               .sum(2);  // [B, Hk, S, d]
+  // Row r: Σ_{s ≥ first + r} q_g[s], for r = 0..S (row S is the empty sum of keys whose Ω is empty).
   const at::Tensor suffix =
       at::cat({q_eff.flip({2}).cumsum(2).flip({2}), at::zeros({B, Hk, 1, d}, q_eff.options())}, 2);
   const at::Tensor starts = window_starts(T, window, min_gap, q_eff.options()).clamp_max(T);
   const at::Tensor sizes = (T - starts).to(compute);
-  const at::Tensor mean = (suffix.index_select(2, starts) * kI.to(compute)).sum(-1) /
+  const at::Tensor mean = (suffix.index_select(2, starts - first) * kI.to(compute)).sum(-1) /
                           (sizes.clamp_min(1) * std::sqrt(static_cast<double>(d)));
   return at::where(sizes > 0, mean, -std::numeric_limits<double>::infinity()).to(qI.scalar_type());
 }

@@ -15,7 +15,8 @@
 // memory plus a few tiles per thread, never T×T. With act = identity, I_g = (Σ_h w_h qI_h)·kI/√dI: the
 // kernels run on that one effective query per group (G× fewer products), and the chain rule back to qI and w
 // is two ATen ops; with mean pooling too, it is linear in the queries, and pooled_index_score skips the kernels
-// for a suffix sum over the queries (O(B·Hq·T·dI), no T² products; autograd through ATen). Dispatcher ops
+// for a suffix sum over the queries (O(B·Hq·T·dI), no T² products; autograd through ATen) that reads only the
+// queries some Ω holds (a window's last W: rows before them may be anything, e.g. zeros). Dispatcher ops
 // kvbound::pooled_index_score_fwd / _bwd with CPU kernels (float32/float64; bf16/fp16 computed in float32);
 // a CUDA kernel can register under the same schemas.
 #pragma once

@@ -6,6 +6,8 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "ops/cpu_vector.h"
 
 // Compiled with -ffp-contract=off (CMakeLists.txt): a product and a sum fused into one FMA would round once where
@@ -39,16 +41,72 @@ KVBOUND_VECTOR_CLONES void rope_row_bf16(const uint16_t* x, const uint16_t* c, c
                            rounded(bf16_to_float(x[i - half]) * bf16_to_float(s[i])));
 }
 
+// x's gradient for one row: ∂/∂x Σ g·(x·c + rot(x)·s) = g·c + rotᵀ(g·s), rotᵀ(v)[i] = v[i + D/2] for i < D/2,
+// −v[i − D/2] after: the products and sum ATen's autograd of the formula forms, in its order (the zero halves
+// it adds along the way are exact), so float32 gradients equal the formula's bit for bit. No assumption on s.
+KVBOUND_VECTOR_CLONES void rope_row_float_backward(const float* g, const float* c, const float* s, float* out, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = g[i] * c[i] + g[i + half] * s[i + half];
+#pragma omp simd
+  for (int64_t i = half; i < D; ++i) out[i] = g[i] * c[i] + -(g[i - half] * s[i - half]);
+}
+
+// Whether the fused pass takes x, cos and sin: a CPU [B, H, T, D] x with unit stride along D, cos and sin
+// [T, D] of its dtype; with a gradient for x, float32 only (FusedRopeFunction), none for cos and sin.
 bool takes_fused(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const at::ScalarType dtype = x.scalar_type();
   if (!x.is_cpu() || (dtype != at::kFloat && dtype != at::kBFloat16) || x.dim() != 4 || x.size(3) % 2 != 0) return false;
-  if (at::GradMode::is_enabled() && (x.requires_grad() || cos.requires_grad() || sin.requires_grad())) return false;
+  if (at::GradMode::is_enabled() &&
+      (cos.requires_grad() || sin.requires_grad() || (x.requires_grad() && dtype != at::kFloat)))
+    return false;
   for (const at::Tensor* t : {&cos, &sin})
     if (!t->is_cpu() || t->scalar_type() != dtype || t->dim() != 2 || t->size(0) != x.size(2) ||
         t->size(1) != x.size(3) || !t->is_contiguous())
       return false;
   return x.stride(3) == 1 && x.is_non_overlapping_and_dense();
 }
+
+// out[b, h, t] = row(x[b, h, t], cos[t], sin[t]) for every row, out in x's layout (a head-transposed view stays one).
+template <typename Element, typename Row>
+at::Tensor map_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, Row row) {
+  at::Tensor out = at::empty_like(x);
+  const int64_t H = x.size(1), T = x.size(2), D = x.size(3), rows = x.size(0) * H * T;
+  const auto* x_data = static_cast<const Element*>(x.const_data_ptr());
+  const auto* c = static_cast<const Element*>(cos.const_data_ptr());
+  const auto* s = static_cast<const Element*>(sin.const_data_ptr());
+  auto* out_data = static_cast<Element*>(out.mutable_data_ptr());
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / (H * T), h = r / T % H, t = r % T;
+      row(x_data + b * x.stride(0) + h * x.stride(1) + t * x.stride(2), c + t * D, s + t * D,
+          out_data + b * out.stride(0) + h * out.stride(1) + t * out.stride(2), D);
+    }
+  });
+  return out;
+}
+
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (x.scalar_type() == at::kBFloat16) return map_rows<uint16_t>(x, cos, sin, rope_row_bf16);
+  return map_rows<float>(x, cos, sin, rope_row_float);
+}
+
+// The fused pass forward and backward for a float32 x that needs a gradient (cos and sin constants).
+class FusedRopeFunction : public torch::autograd::Function<FusedRopeFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return fused_rope(x, cos, sin);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad = grad_outputs[0];
+    if (!takes_fused(grad, saved[0], saved[1])) grad = grad.contiguous();
+    return {map_rows<float>(grad, saved[0], saved[1], rope_row_float_backward), {}, {}};
+  }
+};
 
 }  // namespace
 
@@ -59,28 +117,8 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   if (!takes_fused(x, cos, sin)) return x * cos + rotate_half(x) * sin;
-  at::Tensor out = at::empty_like(x);  // x's strides: a head-transposed view stays one
-  const int64_t H = x.size(1), T = x.size(2), D = x.size(3), rows = x.size(0) * H * T;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const auto* x_bytes = static_cast<const char*>(x.const_data_ptr());
-  auto* out_bytes = static_cast<char*>(out.mutable_data_ptr());
-  const int64_t size = static_cast<int64_t>(x.element_size());
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / D), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / (H * T), h = row / T % H, t = row % T;
-      const int64_t x_at = (b * x.stride(0) + h * x.stride(1) + t * x.stride(2)) * size;
-      const int64_t out_at = (b * out.stride(0) + h * out.stride(1) + t * out.stride(2)) * size;
-      if (bf16)
-        rope_row_bf16(reinterpret_cast<const uint16_t*>(x_bytes + x_at),
-                      static_cast<const uint16_t*>(cos.const_data_ptr()) + t * D,
-                      static_cast<const uint16_t*>(sin.const_data_ptr()) + t * D,
-                      reinterpret_cast<uint16_t*>(out_bytes + out_at), D);
-      else
-        rope_row_float(reinterpret_cast<const float*>(x_bytes + x_at), cos.const_data_ptr<float>() + t * D,
-                       sin.const_data_ptr<float>() + t * D, reinterpret_cast<float*>(out_bytes + out_at), D);
-    }
-  });
-  return out;
+  if (at::GradMode::is_enabled() && x.requires_grad()) return FusedRopeFunction::apply(x, cos, sin);
+  return fused_rope(x, cos, sin);
 }
 
 }  // namespace kvbound::ops

@@ -7,9 +7,10 @@
 namespace kvbound::ops {
 
 // x [..., D] with cos, sin broadcasting against it (the angles of x's positions, each frequency twice, in x's
-// dtype). A CPU float32 / bfloat16 x of shape [B, H, T, D] with unit stride along D, cos and sin [T, D] and no
-// gradient to carry takes one fused pass (ops/rope.cpp) whose result equals the formula's bit for bit, every
-// rounding step included; anything else takes the formula in ATen ops (autograd included).
+// dtype). A CPU float32 / bfloat16 x of shape [B, H, T, D] with unit stride along D, cos and sin [T, D] without
+// a gradient takes one fused pass (ops/rope.cpp) whose result equals the formula's bit for bit, every rounding
+// step included; a float32 x that needs a gradient takes it both ways (its gradient, too, the formula's bit for
+// bit: the indexer's keys in IndexMem training); anything else takes the formula in ATen ops (autograd included).
 at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // [−x₂, x₁] along the last dim.

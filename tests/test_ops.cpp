@@ -110,6 +110,26 @@ TEST(RopeRotate, CarriesGradientsThroughTheFormula) {
   EXPECT_TRUE(at::allclose(x.grad(), expected.expand_as(x), 1e-6, 1e-6));
 }
 
+// A float32 input that needs a gradient takes the fused pass both ways: the output and x's gradient equal
+// the formula's (ATen's autograd of it) bit for bit, for a head-transposed x, an incoming gradient that is not
+// dense, and angles that are not the backbone's (each frequency twice) — the backward assumes nothing of them.
+TEST(RopeRotate, FusedGradientEqualsTheFormulasBitForBit) {
+  at::manual_seed(9);
+  for (const int64_t D : {8, 32, 64}) {
+    const at::Tensor angles = at::randn({7, D}) * 3;
+    const at::Tensor cos = angles.cos(), sin = angles.sin();
+    const at::Tensor base = (at::randn({2, 7, 3, D}) * 5).transpose(1, 2);  // [2, 3, 7, D]
+    const at::Tensor grad = at::randn({2, 3, 7, 2 * D}).narrow(-1, 0, D);  // unit stride along D, not dense
+    const at::Tensor x = base.detach().requires_grad_(true), x_formula = base.detach().requires_grad_(true);
+    const at::Tensor fused = ops::rope_rotate(x, cos, sin);
+    const at::Tensor formula = x_formula * cos + ops::rotate_half(x_formula) * sin;
+    EXPECT_TRUE(at::equal(fused, formula)) << D;
+    (fused * grad).sum().backward();
+    (formula * grad).sum().backward();
+    EXPECT_TRUE(at::equal(x.grad(), x_formula.grad())) << D;
+  }
+}
+
 TEST(RmsNormOp, GradientsFlowThroughTheOp) {
   // The student forward of training backpropagates through every RMSNorm (weights frozen, input live).
   // float32: the op keeps its statistics in float32 whatever the input dtype (as transformers does).

@@ -140,7 +140,9 @@ TEST(PooledAttentionImportance, BlockedMatchesReference) {
               const std::string what = describe(pool, window, min_gap, T, dtype) + " Hq=" + std::to_string(Hq);
               const at::Tensor expected = ops::pooled_attention_importance_reference(q, k, pool, window, min_gap);
               const at::Tensor invalid = ops::pooled_valid_keys(T, window, min_gap).logical_not();
-              for (const auto& [qb, kb] : std::vector<std::pair<int64_t, int64_t>>{{16, 32}, {32, 16}}) {
+              // Windows within one query block take the one-block path (window 5; 32 at qb 32; every T at qb
+              // 1024), the others the tiled passes.
+              for (const auto& [qb, kb] : std::vector<std::pair<int64_t, int64_t>>{{16, 32}, {32, 16}, {1024, 16}}) {
                 const at::Tensor a = ops::pooled_attention_importance(q, k, pool, window, min_gap, qb, kb);
                 EXPECT_EQ(a.scalar_type(), dtype) << what;
                 EXPECT_EQ(a.sizes(), k.sizes().slice(0, 3)) << what;
