@@ -300,9 +300,9 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   if (hook) hook->after_attention(call, cache);
 }
 
-at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
-                               const at::Tensor& cos, const at::Tensor& sin, KVCache& cache,
-                               AttentionHook* hook) const {
+AttentionCall Backbone::attention_inputs(const Layer& L, std::int64_t layer, const at::Tensor& x,
+                                        const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                                        const KVCache& cache) const {
   const auto& c = config_;
   const std::int64_t B = x.size(0), T = x.size(1);
   AttentionCall call;
@@ -327,13 +327,21 @@ at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Ten
   call.k_pre_rope = k;
   call.q = ops::rope_rotate(q, cos, sin);
   call.k = ops::rope_rotate(k, cos, sin);
+  return call;
+}
+
+at::Tensor Backbone::attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
+                               const at::Tensor& cos, const at::Tensor& sin, KVCache& cache,
+                               AttentionHook* hook) const {
+  AttentionCall call = attention_inputs(L, layer, x, positions, cos, sin, cache);
   if (hook && hook->replaces_attention()) {
     hook->before_attention(call, cache);
     call.output = hook->attend(call);
   } else {
     attend_over_cache(call, cache, hook);
   }
-  const at::Tensor attended = call.output.transpose(1, 2).reshape({B, T, c.num_heads * c.head_dim});
+  const std::int64_t B = x.size(0), T = x.size(1);
+  const at::Tensor attended = call.output.transpose(1, 2).reshape({B, T, config_.num_heads * config_.head_dim});
   return ProjectionInput(attended, on_bf16x3(attended)).apply(L.o_proj, L.o_tiles);
 }
 
@@ -343,7 +351,18 @@ at::Tensor Backbone::teacher_hidden(const at::Tensor& tokens, AttentionHook* hoo
   return forward_hidden(tokens, cache, hook);
 }
 
+void Backbone::teacher_attention_inputs(const at::Tensor& tokens, AttentionHook& hook) const {
+  const at::NoGradGuard no_grad;
+  KVCache cache = make_cache();
+  run_layers(tokens, cache, &hook, /*attention_inputs_only=*/true);
+}
+
 at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook) const {
+  return run_layers(tokens, cache, hook, /*attention_inputs_only=*/false);
+}
+
+at::Tensor Backbone::run_layers(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook,
+                                bool attention_inputs_only) const {
   TORCH_CHECK(tokens.dim() == 2, "Backbone::forward: tokens must be [B, T]");
   TORCH_CHECK(cache.num_layers() == config_.num_layers, "Backbone::forward: cache has the wrong number of layers");
   const std::int64_t T = tokens.size(1);
@@ -360,12 +379,25 @@ at::Tensor Backbone::forward_hidden(const at::Tensor& tokens, KVCache& cache, At
   at::Tensor h = at::embedding(embed_, ids);
   for (std::int64_t i = 0; i < config_.num_layers; ++i) {
     const Layer& L = layers_[static_cast<std::size_t>(i)];
+    if (attention_inputs_only && i == config_.num_layers - 1) {
+      AttentionCall call = attention_inputs(L, i, h, positions, cos, sin, cache);
+      hook->before_attention(call, cache);
+      return {};
+    }
     h = h + attention(L, i, h, positions, cos, sin, cache, hook);
     const at::Tensor x = rms_norm(h, L.post_norm);
     ProjectionInput input(x, on_bf16x3(x));
     const at::Tensor gate = input.apply(L.gate_proj, L.gate_tiles), up = input.apply(L.up_proj, L.up_tiles);
-    const at::Tensor gated = config_.hidden_act == "silu" ? ops::silu_gate(gate, up) : apply_activation(config_.hidden_act, gate) * up;
-    h = h + ProjectionInput(gated, on_bf16x3(gated)).apply(L.down_proj, L.down_tiles);
+    const bool silu = config_.hidden_act == "silu";
+    at::Tensor mlp;
+    if (silu && on_bf16x3(gate) && !(at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad()))) {
+      // Without a gradient the product goes straight into the down projection's tile rows.
+      mlp = ops::bf16x3_linear(ops::silu_gate_rows(gate, up), L.down_tiles);
+    } else {
+      const at::Tensor gated = silu ? ops::silu_gate(gate, up) : apply_activation(config_.hidden_act, gate) * up;
+      mlp = ProjectionInput(gated, on_bf16x3(gated)).apply(L.down_proj, L.down_tiles);
+    }
+    h = h + mlp;
   }
   cache.advance(T);
   return rms_norm(h, final_norm_);

@@ -111,6 +111,10 @@ class Backbone {
   // The frozen model's own final hidden states for tokens [B, T] from an empty cache, without autograd: the
   // teacher side of every distillation loss. `hook` may watch (capture the teacher's attention inputs).
   at::Tensor teacher_hidden(const at::Tensor& tokens, AttentionHook* hook = nullptr) const;
+  // The same forward as far as the last layer's attention inputs, for a hook that reads only before_attention's
+  // call (IndexMem stage 1's targets and inputs): that layer's attention and MLP and the final norm, which nothing
+  // would read, are not computed (1/num_layers of the forward).
+  void teacher_attention_inputs(const at::Tensor& tokens, AttentionHook& hook) const;
 
  private:
   struct Layer {
@@ -121,6 +125,11 @@ class Backbone {
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
   // Whether the frozen projections of input x take the bf16x3 path (set_float32_products).
   bool on_bf16x3(const at::Tensor& x) const;
+  // The layers over tokens; with attention_inputs_only, up to the last layer's hook->before_attention (returns {}).
+  at::Tensor run_layers(const at::Tensor& tokens, KVCache& cache, AttentionHook* hook, bool attention_inputs_only) const;
+  // A layer's attention call up to attention itself: normed input, q/k/v, RoPE.
+  AttentionCall attention_inputs(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
+                                 const at::Tensor& cos, const at::Tensor& sin, const KVCache& cache) const;
   at::Tensor attention(const Layer& L, std::int64_t layer, const at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& cos, const at::Tensor& sin, KVCache& cache, AttentionHook* hook) const;
 

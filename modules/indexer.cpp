@@ -1,9 +1,11 @@
 #include "modules/indexer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/normal.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/sigmoid.h>
@@ -14,11 +16,16 @@
 #include "base/errors.h"
 #include "modules/leaf_tensors.h"
 #include "modules/backbone.h"
+#include "ops/rms_norm.h"
 
 namespace kvbound {
 namespace {
 
-at::Tensor rms_norm_unweighted(const at::Tensor& x) { return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6); }
+// RMSNorm without a weight: the backbone's fused op (ops/rms_norm.h, its fused input gradient in training) with a
+// weight of ones, which multiplies exactly.
+at::Tensor rms_norm_unweighted(const at::Tensor& x) {
+  return ops::rms_norm(x, at::ones({x.size(-1)}, x.options().requires_grad(false)), 1e-6);
+}
 
 bool parse_bool(const std::string& v, const std::string& source, const std::string& key) {
   if (v == "true" || v == "1") return true;
@@ -108,23 +115,60 @@ Indexer Indexer::from_tensors(const std::map<std::string, at::Tensor>& tensors, 
   return ix;
 }
 
-at::Tensor Indexer::query(std::int64_t layer, const at::Tensor& q_pre_rope, const at::Tensor& positions) const {
-  const Layer& L = layers_.at(static_cast<std::size_t>(layer));
-  const at::Tensor q = rms_norm_unweighted(at::linear(q_pre_rope.to(at::kFloat), L.wq));
+at::Tensor Indexer::finish_queries(const at::Tensor& projected, const at::Tensor& positions) const {
+  const at::Tensor q = rms_norm_unweighted(projected);
   return settings_.rope ? apply_rope(q, positions, inv_freq_) : q;
 }
 
-at::Tensor Indexer::key(std::int64_t layer, const at::Tensor& x, const at::Tensor& positions) const {
-  const Layer& L = layers_.at(static_cast<std::size_t>(layer));
-  const std::int64_t B = x.size(0), T = x.size(1);
-  const at::Tensor k =
-      rms_norm_unweighted(at::linear(x.to(at::kFloat), L.wk).view({B, T, key_heads_, settings_.d_index}).transpose(1, 2));
+at::Tensor Indexer::finish_keys(const at::Tensor& projected_keys, const at::Tensor& positions) const {
+  const std::int64_t B = projected_keys.size(0), T = projected_keys.size(1);
+  const at::Tensor k = rms_norm_unweighted(projected_keys.view({B, T, key_heads_, settings_.d_index}).transpose(1, 2));
   return settings_.rope ? apply_rope(k, positions, inv_freq_) : k;
+}
+
+at::Tensor Indexer::query(std::int64_t layer, const at::Tensor& q_pre_rope, const at::Tensor& positions) const {
+  return finish_queries(at::linear(q_pre_rope.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wq), positions);
+}
+
+at::Tensor Indexer::key(std::int64_t layer, const at::Tensor& x, const at::Tensor& positions) const {
+  return finish_keys(at::linear(x.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wk), positions);
 }
 
 at::Tensor Indexer::head_weights(std::int64_t layer, const at::Tensor& x) const {
   const Layer& L = layers_.at(static_cast<std::size_t>(layer));
   return at::sigmoid(at::linear(x.to(at::kFloat), L.ww, L.bw)).permute({0, 2, 1});
+}
+
+namespace {
+
+// Each layer's input through that layer's projection, concatenated along the batch dim.
+template <typename Project>
+at::Tensor per_layer(const std::vector<at::Tensor>& inputs, std::size_t layers, Project&& project) {
+  TORCH_CHECK(inputs.size() == layers, "Indexer: ", inputs.size(), " inputs for ", layers, " layers");
+  std::vector<at::Tensor> out;
+  out.reserve(layers);
+  for (std::size_t l = 0; l < layers; ++l) out.push_back(project(l, inputs[l].to(at::kFloat)));
+  return at::cat(out, 0);
+}
+
+}  // namespace
+
+at::Tensor Indexer::queries(const std::vector<at::Tensor>& q_pre_rope, const at::Tensor& positions) const {
+  return finish_queries(per_layer(q_pre_rope, layers_.size(),
+                                  [&](std::size_t l, const at::Tensor& q) { return at::linear(q, layers_[l].wq); }),
+                        positions);
+}
+
+at::Tensor Indexer::keys(const std::vector<at::Tensor>& x, const at::Tensor& positions) const {
+  return finish_keys(per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) { return at::linear(in, layers_[l].wk); }),
+                     positions);
+}
+
+at::Tensor Indexer::head_weights(const std::vector<at::Tensor>& x) const {
+  const at::Tensor logits = per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) {
+    return at::linear(in, layers_[l].ww, layers_[l].bw);
+  });
+  return at::sigmoid(logits).permute({0, 2, 1});
 }
 
 at::Tensor Indexer::score(const at::Tensor& qI, const at::Tensor& w, const at::Tensor& kI) const {

@@ -52,6 +52,13 @@ class Indexer {
   at::Tensor key(std::int64_t layer, const at::Tensor& x, const at::Tensor& positions) const;
   // w [B, Hq, T] from x [B, T, hidden].
   at::Tensor head_weights(std::int64_t layer, const at::Tensor& x) const;
+  // The same three for every layer at once (training's loss), one input per layer in layer order, each [B, ...]
+  // as above: the results concatenated along the batch dim, [layers·B, ...] with row l·B + b layer l's row b.
+  // Only the projections run per layer; the norms, RoPE and sigmoid run once over all layers (a step's worth of
+  // small ops, and their backward, one per step rather than one per layer).
+  at::Tensor queries(const std::vector<at::Tensor>& q_pre_rope, const at::Tensor& positions) const;
+  at::Tensor keys(const std::vector<at::Tensor>& x, const at::Tensor& positions) const;
+  at::Tensor head_weights(const std::vector<at::Tensor>& x) const;
   // I_g[s,t] [B, Hc, S, N] for queries qI [B, Hq, S, d_I], w [B, Hq, S] and keys kI [B, Hc, N, d_I] where
   // Hc is the cache's KV heads (Hk = 1 keys are stored per KV head, since eviction differs per head).
   at::Tensor score(const at::Tensor& qI, const at::Tensor& w, const at::Tensor& kI) const;
@@ -68,6 +75,9 @@ class Indexer {
   struct Layer {
     at::Tensor wq, wk, ww, bw;
   };
+  // qI and kI from their projections: RMSNorm, then RoPE where on. projected_keys [B, T, Hk·d_I].
+  at::Tensor finish_queries(const at::Tensor& projected, const at::Tensor& positions) const;
+  at::Tensor finish_keys(const at::Tensor& projected_keys, const at::Tensor& positions) const;
   IndexerSettings settings_;
   std::int64_t key_heads_ = 1;
   at::Tensor inv_freq_;  // RoPE at head size d_I

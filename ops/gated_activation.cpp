@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/silu.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "ops/amx_panels.h"
 #include "ops/cpu_vector.h"
 
 namespace kvbound::ops {
@@ -27,6 +29,23 @@ KVBOUND_VECTOR_CLONES void silu_gate_float(const float* gate, const float* up, f
     for (int64_t i = 0; i < m; ++i) e[i] = cpu::exp_float(-gate[s + i]);
 #pragma omp simd
     for (int64_t i = 0; i < m; ++i) out[s + i] = gate[s + i] / (1.f + e[i]) * up[s + i];
+  }
+}
+
+// silu(gate)·up as silu_gate_float rounds it, then split as split_row splits it.
+KVBOUND_VECTOR_CLONES void silu_gate_split(const float* gate, const float* up, uint16_t* hi, uint16_t* lo, int64_t n) {
+  float e[kStretch];
+  for (int64_t s = 0; s < n; s += kStretch) {
+    const int64_t m = std::min(kStretch, n - s);
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) e[i] = cpu::exp_float(-gate[s + i]);
+#pragma omp simd
+    for (int64_t i = 0; i < m; ++i) {
+      const float v = gate[s + i] / (1.f + e[i]) * up[s + i];
+      const uint16_t h = cpu::float_to_bf16(v);
+      hi[s + i] = h;
+      lo[s + i] = cpu::float_to_bf16(v - cpu::bf16_to_float(h));
+    }
   }
 }
 
@@ -140,6 +159,29 @@ class SiluGateFunction : public torch::autograd::Function<SiluGateFunction> {
 
 
 }  // namespace
+
+Bf16x3Rows silu_gate_rows(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(fused_here(gate, up) && gate.scalar_type() == at::kFloat && gate.dim() >= 1 &&
+                  !(at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad())),
+              "silu_gate_rows: expected two same-shape CPU float32 tensors without a gradient");
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  const int64_t K = g.size(-1), padded = amx::round_up(K, 2), M = K == 0 ? 0 : g.numel() / K;
+  Bf16x3Rows rows;
+  rows.hi = at::empty({M, padded}, g.options().dtype(at::kBFloat16));
+  rows.lo = at::empty({M, padded}, g.options().dtype(at::kBFloat16));
+  rows.leading.assign(g.sizes().begin(), g.sizes().end() - 1);
+  rows.in_features = K;
+  auto* hi = static_cast<uint16_t*>(rows.hi.mutable_data_ptr());
+  auto* lo = static_cast<uint16_t*>(rows.lo.mutable_data_ptr());
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      silu_gate_split(g.const_data_ptr<float>() + r * K, u.const_data_ptr<float>() + r * K, hi + r * padded,
+                      lo + r * padded, K);
+      for (int64_t k = K; k < padded; ++k) hi[r * padded + k] = lo[r * padded + k] = 0;
+    }
+  });
+  return rows;
+}
 
 at::Tensor silu_gate(const at::Tensor& gate, const at::Tensor& up) {
   if (!fused_here(gate, up)) return at::silu(gate) * up;

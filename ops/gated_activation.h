@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include "ops/bf16x3_linear.h"
+
 namespace kvbound::ops {
 
 // silu(gate) * up for same-shape tensors. On the CPU in float32 or bfloat16: one fused vectorized pass
@@ -10,5 +12,10 @@ namespace kvbound::ops {
 // rounding, not bit for bit. With a gradient to carry, an autograd function whose backward forms both input
 // gradients in one fused pass from the saved inputs (in float32, rounded once). Elsewhere at::silu(gate) * up.
 at::Tensor silu_gate(const at::Tensor& gate, const at::Tensor& up);
+
+// The same product for a float32 CPU pair without a gradient, written straight as bf16x3 rows (the down
+// projection's input on the tiles, ops/bf16x3_linear.h) instead of a float32 tensor that split_rows would read
+// again: equal to split_rows(silu_gate(gate, up)) bit for bit.
+Bf16x3Rows silu_gate_rows(const at::Tensor& gate, const at::Tensor& up);
 
 }  // namespace kvbound::ops

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "ops/bf16x3_linear.h"
+#include "ops/gated_activation.h"
 
 using namespace kvbound;
 
@@ -135,3 +136,20 @@ TEST(Bf16x3Linear, TheInputGradientIsTheFloat32Gemms) {
 }
 
 }  // namespace
+
+// SwiGLU's product written straight as tile rows (ops/gated_activation.h): split_rows of silu_gate's float32
+// product, bit for bit, for an even and an odd width (the padded column zero), and only without a gradient.
+TEST(Bf16x3Linear, SiluGateRowsAreTheSplitOfTheProduct) {
+  at::manual_seed(31);
+  for (const int64_t K : {1536, 37}) {
+    const at::Tensor gate = at::randn({2, 5, K}) * 4, up = at::randn({2, 5, K}) * 3;
+    const ops::Bf16x3Rows fused = ops::silu_gate_rows(gate, up), split = ops::split_rows(ops::silu_gate(gate, up));
+    EXPECT_TRUE(at::equal(fused.hi, split.hi)) << K;
+    EXPECT_TRUE(at::equal(fused.lo, split.lo)) << K;
+    EXPECT_EQ(fused.leading, split.leading) << K;
+    EXPECT_EQ(fused.in_features, K);
+  }
+  const at::Tensor needs_grad = at::randn({4, 8}).requires_grad_(true);
+  EXPECT_THROW(ops::silu_gate_rows(needs_grad, at::randn({4, 8})), c10::Error);
+  EXPECT_THROW(ops::silu_gate_rows(at::randn({4, 8}).to(at::kBFloat16), at::randn({4, 8}).to(at::kBFloat16)), c10::Error);
+}

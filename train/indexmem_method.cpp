@@ -1,6 +1,7 @@
 #include "train/indexmem_method.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/tensor.h>
 
@@ -19,7 +20,8 @@ TrainedModules live(const std::shared_ptr<Indexer>& indexer) {
   return m;
 }
 
-// Captures, per layer of one plain forward over whole rows, the teacher target and the indexer's inputs.
+// Captures, per layer of one plain forward over whole rows (Backbone::teacher_attention_inputs), the teacher
+// target and the indexer's inputs.
 // before_attention of a fresh cache sees exactly the full-sequence q [B, Hq, T, D] and k [B, Hkv, T, D].
 class TeacherCapture final : public AttentionHook {
  public:
@@ -82,25 +84,38 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong)).to(batch.inputs.device());
     const at::Tensor valid_here = valid.to(batch.inputs.device());
     TeacherCapture teacher(settings_);
-    model_.teacher_hidden(batch.inputs.index_select(0, index).narrow(1, 0, L), &teacher);
+    model_.teacher_attention_inputs(batch.inputs.index_select(0, index).narrow(1, 0, L), teacher);
     const auto n = static_cast<std::int64_t>(members.size());
     // Every Ω(t) lies within the row's last `window` queries: the indexer's queries and head weights are formed
     // there alone and the rows before them are zeros the score never reads (with window = 32 of 511 queries,
     // the projections, norms and RoPE of 16× fewer rows, and their backward).
     const std::int64_t used = settings_.window > 0 ? std::min(settings_.window, L) : L, unused = L - used;
+    // Every layer at once, layer l's rows at l·n … l·n + n − 1 of the batch dim (Indexer::keys): one op per
+    // step for the norms, RoPE, the pooled score and the KL rather than one per layer.
+    std::vector<at::Tensor> inputs, window_inputs, window_queries;
     for (std::int64_t l = 0; l < num_layers; ++l) {
       const auto i = static_cast<std::size_t>(l);
-      const at::Tensor kI = indexer_->key(l, teacher.normed_input[i], teacher.positions);
-      at::Tensor qI = indexer_->query(l, teacher.q_pre_rope[i].narrow(2, unused, used), teacher.positions.narrow(0, unused, used));
-      at::Tensor w = indexer_->head_weights(l, teacher.normed_input[i].narrow(1, unused, used));
-      if (unused > 0) {
-        qI = at::constant_pad_nd(qI, {0, 0, unused, 0});
-        w = at::constant_pad_nd(w, {unused, 0});
-      }
-      const at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
-                                                   settings_.indexer.relu);
-      const at::Tensor kl = losses::streaming_kl(teacher.importance[i], z, valid_here) * static_cast<double>(n);
-      layer_kl[i] = layer_kl[i].defined() ? layer_kl[i] + kl : kl;
+      inputs.push_back(teacher.normed_input[i]);
+      window_inputs.push_back(teacher.normed_input[i].narrow(1, unused, used));
+      window_queries.push_back(teacher.q_pre_rope[i].narrow(2, unused, used));
+    }
+    const at::Tensor kI = indexer_->keys(inputs, teacher.positions);
+    at::Tensor qI = indexer_->queries(window_queries, teacher.positions.narrow(0, unused, used));
+    at::Tensor w = indexer_->head_weights(window_inputs);
+    if (unused > 0) {
+      qI = at::constant_pad_nd(qI, {0, 0, unused, 0});
+      w = at::constant_pad_nd(w, {unused, 0});
+    }
+    const at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
+                                                 settings_.indexer.relu);
+    // streaming_kl's mean over rows and KV heads, per layer; times n, as groups of rows add up.
+    const at::Tensor kl = losses::listwise_kl_rows(at::cat(teacher.importance, 0), z, valid_here.logical_not())
+                              .view({num_layers, -1})
+                              .mean(1) *
+                          static_cast<double>(n);
+    for (std::int64_t l = 0; l < num_layers; ++l) {
+      const auto i = static_cast<std::size_t>(l);
+      layer_kl[i] = layer_kl[i].defined() ? layer_kl[i] + kl[l] : kl[l];
     }
     rows += n;
   }
