@@ -16,8 +16,11 @@ at::Tensor listwise_kl_rows(const at::Tensor& teacher_a, const at::Tensor& stude
   return (at::xlogy(p_t, p_t) - p_t * log_ps).sum(-1);
 }
 
-at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid) {
-  return listwise_kl_rows(teacher_a, student_z, valid.logical_not()).mean();
+at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid,
+                        int64_t groups) {
+  TORCH_CHECK(groups >= 1 && teacher_a.size(0) % groups == 0, "streaming_kl: ", teacher_a.size(0),
+              " rows do not split into ", groups, " groups");
+  return listwise_kl_rows(teacher_a, student_z, valid.logical_not()).view({groups, -1}).mean(1);
 }
 
 }  // namespace kvbound::losses

@@ -12,9 +12,11 @@ namespace kvbound::losses {
 // student_z broadcast against `invalid` (bool, true: left out); every counted row needs one valid entry.
 at::Tensor listwise_kl_rows(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& invalid);
 
-// teacher_a [B, Hkv, T] ≥ 0 (0 at invalid keys), student_z [B, Hk, T] (−inf at invalid keys; Hk = Hkv or 1,
-// broadcast over the KV heads), valid bool [T] with at least one true: listwise_kl_rows' mean over batch and
-// KV heads (a scalar, differentiable in z).
-at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid);
+// teacher_a [G·B, Hkv, T] ≥ 0 (0 at invalid keys), student_z [G·B, Hk, T] (−inf at invalid keys; Hk = Hkv or
+// 1, broadcast over the KV heads), valid bool [T] with at least one true: listwise_kl_rows' mean over the B rows
+// and KV heads of each of the G groups of rows (the layers of one batched step, group g rows g·B … g·B + B − 1):
+// [G], differentiable in z.
+at::Tensor streaming_kl(const at::Tensor& teacher_a, const at::Tensor& student_z, const at::Tensor& valid,
+                        int64_t groups = 1);
 
 }  // namespace kvbound::losses

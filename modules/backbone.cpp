@@ -380,6 +380,7 @@ at::Tensor Backbone::run_layers(const at::Tensor& tokens, KVCache& cache, Attent
   for (std::int64_t i = 0; i < config_.num_layers; ++i) {
     const Layer& L = layers_[static_cast<std::size_t>(i)];
     if (attention_inputs_only && i == config_.num_layers - 1) {
+      TORCH_CHECK(hook != nullptr, "Backbone: a forward up to the attention inputs needs a hook to hand them to");
       AttentionCall call = attention_inputs(L, i, h, positions, cos, sin, cache);
       hook->before_attention(call, cache);
       return {};

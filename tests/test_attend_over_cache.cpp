@@ -27,6 +27,15 @@ namespace {
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
+// Scores q·kᵀ/8 (head dim 64) of a chunk of queries at positions start … over `keys` (every cached entry, then
+// the chunk), at `precision`, with the chunk's causal mask as −∞.
+at::Tensor chunk_scores(const at::Tensor& q, const at::Tensor& keys, std::int64_t start, at::ScalarType precision) {
+  const std::int64_t T = q.size(2), N = keys.size(2);
+  at::Tensor scores = at::matmul(q.to(precision), keys.to(precision).transpose(-1, -2)) / 8.0;
+  for (std::int64_t t = 0; t < T; ++t) scores.narrow(2, t, 1).narrow(3, start + t + 1, N - start - t - 1).fill_(-INFINITY);
+  return scores;
+}
+
 // A hook that asks for the logsumexp gets it from the attention pass (the CPU's flash kernel) or formed apart
 // (other devices) — either way SDPA's output unchanged and the logsumexp of exactly the entries each query
 // attended: a first chunk (causal), a chunk after cached entries (cache + causal) and a single token (all),
@@ -146,11 +155,7 @@ TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
     ASSERT_EQ(call.output.sizes(), call.q.sizes()) << where;
     const std::int64_t N = start + 192;
     const at::Tensor keys = asking.keys(0).repeat_interleave(3, 1), values = asking.values(0).repeat_interleave(3, 1);
-    auto scores_at = [&](at::ScalarType precision) {
-      at::Tensor scores = at::matmul(call.q.to(precision), keys.to(precision).transpose(-1, -2)) / 8.0;
-      for (std::int64_t t = 0; t < 192; ++t) scores.narrow(2, t, 1).narrow(3, start + t + 1, N - start - t - 1).fill_(-INFINITY);
-      return scores;
-    };
+    const auto scores_at = [&](at::ScalarType precision) { return chunk_scores(call.q, keys, start, precision); };
     const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
     const at::Tensor plain_bf16 = at::matmul(at::softmax(scores_at(at::kBFloat16), -1), values);
     EXPECT_LE(max_abs_diff(call.output.to(at::kDouble), exact), 2 * max_abs_diff(plain_bf16.to(at::kDouble), exact)) << where;
@@ -187,11 +192,7 @@ TEST(AttendOverCache, Float32ChunksTakeTheAmxKernelOnlyUnderBf16x3) {
     const std::string where = "start " + std::to_string(start);
     const std::int64_t N = start + 192;
     const at::Tensor keys = tiles.keys(0).repeat_interleave(3, 1), values = tiles.values(0).repeat_interleave(3, 1);
-    auto scores_at = [&](at::ScalarType precision) {
-      at::Tensor scores = at::matmul(call.q.to(precision), keys.to(precision).transpose(-1, -2)) / 8.0;
-      for (std::int64_t t = 0; t < 192; ++t) scores.narrow(2, t, 1).narrow(3, start + t + 1, N - start - t - 1).fill_(-INFINITY);
-      return scores;
-    };
+    const auto scores_at = [&](at::ScalarType precision) { return chunk_scores(call.q, keys, start, precision); };
     const at::Tensor mask = scores_at(at::kFloat).isfinite();
     EXPECT_TRUE(at::equal(call.output, at::scaled_dot_product_attention(call.q, keys, values, mask))) << where;
     const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));

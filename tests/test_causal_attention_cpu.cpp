@@ -41,6 +41,24 @@ at::Tensor attention_at(const at::Tensor& q, const at::Tensor& keys, const at::T
                     values.repeat_interleave(G, 1).to(precision));
 }
 
+struct Shape {
+  int64_t B, Hq, Hkv, T, cached, D;
+  std::string describe() const {
+    return "B " + std::to_string(B) + " Hq " + std::to_string(Hq) + " Hkv " + std::to_string(Hkv) + " T " +
+           std::to_string(T) + " cached " + std::to_string(cached) + " D " + std::to_string(D);
+  }
+};
+
+// Random q (scaled by 2: peakier rows), keys and values of the shape in `dtype`.
+struct Inputs {
+  at::Tensor q, keys, values;
+};
+Inputs random_inputs(const Shape& s, at::ScalarType dtype) {
+  const int64_t N = s.cached + s.T;
+  return {(at::randn({s.B, s.Hq, s.T, s.D}) * 2).to(dtype), at::randn({s.B, s.Hkv, N, s.D}).to(dtype),
+          at::randn({s.B, s.Hkv, N, s.D}).to(dtype)};
+}
+
 bool amx_here() {
   const at::Tensor probe = at::randn({1, 1, 192, 64}).to(at::kBFloat16);
   return ops::causal_attention_cpu_supported(probe, probe, probe);
@@ -51,17 +69,11 @@ bool amx_here() {
 TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
   if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
   at::manual_seed(11);
-  struct Shape { int64_t B, Hq, Hkv, T, cached, D; };
   for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{2, 3, 3, 100, 37, 64}, Shape{2, 6, 2, 192, 0, 64},
                         Shape{1, 9, 3, 200, 0, 64}, Shape{2, 3, 3, 193, 37, 64}, Shape{1, 4, 1, 192, 200, 128},
                         Shape{1, 8, 2, 250, 64, 128}, Shape{1, 16, 2, 192, 0, 128}, Shape{1, 3, 1, 192, 3904, 64}}) {
-    const int64_t N = s.cached + s.T;
-    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
-    const at::Tensor q = (at::randn({s.B, s.Hq, s.T, s.D}) * 2).to(at::kBFloat16);
-    const at::Tensor keys = at::randn({s.B, s.Hkv, N, s.D}, bf16), values = at::randn({s.B, s.Hkv, N, s.D}, bf16);
-    const std::string where = "B " + std::to_string(s.B) + " Hq " + std::to_string(s.Hq) + " Hkv " +
-                              std::to_string(s.Hkv) + " T " + std::to_string(s.T) + " cached " +
-                              std::to_string(s.cached) + " D " + std::to_string(s.D);
+    const auto [q, keys, values] = random_inputs(s, at::kBFloat16);
+    const std::string where = s.describe();
     ASSERT_TRUE(ops::causal_attention_cpu_supported(q, keys, values)) << where;
     at::Tensor lse;
     const at::Tensor out = ops::causal_attention_cpu(q, keys, values, &lse);
@@ -85,15 +97,10 @@ TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
 TEST(CausalAttentionCpu, Float32WithinAMultipleOfThePlainFloat32Error) {
   if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
   at::manual_seed(13);
-  struct Shape { int64_t B, Hq, Hkv, T, cached, D; };
   for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{2, 3, 3, 100, 37, 64}, Shape{1, 9, 3, 512, 0, 64},
                         Shape{1, 4, 1, 192, 200, 128}, Shape{1, 16, 2, 130, 0, 128}, Shape{1, 3, 1, 192, 3904, 64}}) {
-    const int64_t N = s.cached + s.T;
-    const at::Tensor q = at::randn({s.B, s.Hq, s.T, s.D}) * 2;
-    const at::Tensor keys = at::randn({s.B, s.Hkv, N, s.D}), values = at::randn({s.B, s.Hkv, N, s.D});
-    const std::string where = "B " + std::to_string(s.B) + " Hq " + std::to_string(s.Hq) + " Hkv " +
-                              std::to_string(s.Hkv) + " T " + std::to_string(s.T) + " cached " +
-                              std::to_string(s.cached) + " D " + std::to_string(s.D);
+    const auto [q, keys, values] = random_inputs(s, at::kFloat);
+    const std::string where = s.describe();
     ASSERT_TRUE(ops::causal_attention_cpu_supported(q, keys, values)) << where;
     at::Tensor lse;
     const at::Tensor out = ops::causal_attention_cpu(q, keys, values, &lse);

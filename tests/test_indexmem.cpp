@@ -72,6 +72,12 @@ TEST(IndexMemLoss, StreamingKLEqualsTheFormula) {
   kl.backward();
   EXPECT_TRUE(z.grad().isfinite().all().item<bool>());
   EXPECT_EQ(z.grad().select(2, T - 1).abs().sum().item<double>(), 0.0);
+  // Groups of rows (a batched step's layers): each group's own mean.
+  const at::Tensor grouped = losses::streaming_kl(a, z.detach(), valid, 2);
+  ASSERT_EQ(grouped.sizes(), at::IntArrayRef({2}));
+  for (std::int64_t g = 0; g < 2; ++g)
+    EXPECT_NEAR(grouped[g].item<double>(),
+                losses::streaming_kl(a.narrow(0, g, 1), z.detach().narrow(0, g, 1), valid).item<double>(), 1e-7);
 }
 
 // The policy's I_g[s,t] and the training op agree: with a window of one query, z(t) = I_g[T−1, t].

@@ -108,11 +108,9 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     }
     const at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
                                                  settings_.indexer.relu);
-    // streaming_kl's mean over rows and KV heads, per layer; times n, as groups of rows add up.
-    const at::Tensor kl = losses::listwise_kl_rows(at::cat(teacher.importance, 0), z, valid_here.logical_not())
-                              .view({num_layers, -1})
-                              .mean(1) *
-                          static_cast<double>(n);
+    // Each layer's mean over rows and KV heads, times n: groups of rows add up.
+    const at::Tensor kl =
+        losses::streaming_kl(at::cat(teacher.importance, 0), z, valid_here, num_layers) * static_cast<double>(n);
     for (std::int64_t l = 0; l < num_layers; ++l) {
       const auto i = static_cast<std::size_t>(l);
       layer_kl[i] = layer_kl[i].defined() ? layer_kl[i] + kl[l] : kl[l];
