@@ -7,7 +7,6 @@
 #include <ATen/ops/normal.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/relu.h>
-#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/zeros.h>
 
