@@ -6,7 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
@@ -176,18 +176,18 @@ at::Tensor window_block_importance(const at::Tensor& q, const at::Tensor& k, Poo
   const at::Tensor query_positions = at::arange(first_query, T, long_options).unsqueeze(1);  // [W, 1]
   const at::Tensor keys = at::arange(T, long_options).unsqueeze(0);                           // [1, T]
   logits.masked_fill_(keys > query_positions, -std::numeric_limits<double>::infinity());
-  const at::Tensor log_probs = logits - logits.logsumexp(-1, true);  // log A_h[s, t]
   const at::Tensor in_omega = query_positions >= window_starts(T, omega.window, omega.min_gap, q.options()).unsqueeze(0);
   const at::Tensor outside = in_omega.logical_not();
   const at::Tensor sizes = in_omega.sum(0);  // |Ω(t)| [T]
   const double minus_inf = -std::numeric_limits<double>::infinity();
   at::Tensor pooled;  // [B, Hkv, G, T]
-  if (pool == PoolMode::Mean) {
-    pooled = log_probs.exp().masked_fill_(outside, 0).sum(3) / sizes.clamp_min(1);
-  } else if (pool == PoolMode::Max) {
-    pooled = log_probs.masked_fill(outside, minus_inf).amax(3).exp();  // empty Ω: e^−∞ = 0
+  if (pool == PoolMode::Max) {  // the largest log A_h[s, t], exponentiated once; empty Ω: e^−∞ = 0
+    pooled = at::log_softmax(logits, -1).masked_fill_(outside, minus_inf).amax(3).exp();
   } else {
-    pooled = at::where(sizes > 0, log_probs.exp().exp().masked_fill_(outside, 0).sum(3).log(), 0.0);
+    const at::Tensor probs = at::softmax(logits, -1);  // A_h[s, t]
+    pooled = pool == PoolMode::Mean
+                 ? probs.masked_fill(outside, 0).sum(3) / sizes.clamp_min(1)
+                 : at::where(sizes > 0, probs.exp().masked_fill_(outside, 0).sum(3).log(), 0.0);
   }
   return pooled.mean(2);
 }
