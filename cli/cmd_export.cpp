@@ -23,7 +23,7 @@ int cmd_export(int argc, char** argv) {
                      "Write a run's trained weights (TRIM-KV gates, IndexMem indexer or latent memory) as one "
                      "safetensors file.");
   o.add_options()("run_dir", "run folder of `kvbound train`", cxxopts::value<std::string>())(
-      "o,out", "output .safetensors file", cxxopts::value<std::string>())(
+      "o,out", "output .safetensors file (a folder for --format trimkv)", cxxopts::value<std::string>())(
       "best", "export the weights of the best periodic eval (best.safetensors) instead of the latest checkpoint")(
       "format", "safetensors (one file, any method) or a method's own format (trimkv: the official release's folder)",
       cxxopts::value<std::string>()->default_value("safetensors"))(

@@ -33,7 +33,7 @@ inline constexpr const char* kTop1Agree = "top1_agree";     // fraction of posit
 inline constexpr const char* kRetrievalAcc = "retrieval_acc";  // key-value / passkey retrieval accuracy
 inline constexpr const char* kPrefillTokS = "prefill_tok_s";   // prefill throughput, tokens/s
 inline constexpr const char* kDecodeTokS = "decode_tok_s";     // decode throughput, tokens/s
-inline constexpr const char* kPeakKvBytes = "peak_kv_bytes";   // peak bytes held by the KV cache (+mem: plus the memory state and its pre-RoPE key copy)
+inline constexpr const char* kPeakKvBytes = "peak_kv_bytes";   // peak bytes held by the KV cache (+mem: plus the memory state)
 }  // namespace metric
 
 struct ResultRow {

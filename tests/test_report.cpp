@@ -58,7 +58,7 @@ class ReportTest : public ::testing::Test {
   fs::path dir_;
 };
 
-// Numbers in the range of the stories260K prototype (REFERENCE_RESULTS.md), budgets 64/128/256.
+// Numbers in the range of the stories260K prototype (assets/REFERENCE_RESULTS.md), budgets 64/128/256.
 EvalResults sample_results(double kl_scale = 1.0) {
   EvalResults results;
   results.meta = {{"model", "SmolLM2-135M"}, {"config_hash", "3f9a1c2e"}, {"settings", {{"windows", 64}}}};
