@@ -46,6 +46,7 @@ IndexerSettings indexer_settings(const std::map<std::string, std::string>& m, co
   if (m.count("key_heads")) s.key_heads = m.at("key_heads");
   if (m.count("rope")) s.rope = parse_bool(m.at("rope"), source, "rope");
   if (m.count("relu")) s.relu = parse_bool(m.at("relu"), source, "relu");
+  if (m.count("key_bias")) s.key_bias = parse_bool(m.at("key_bias"), source, "key_bias");
   return s;
 }
 
@@ -53,7 +54,8 @@ std::map<std::string, std::string> indexer_metadata(const IndexerSettings& s) {
   return {{"d_index", std::to_string(s.d_index)},
           {"key_heads", s.key_heads},
           {"rope", s.rope ? "true" : "false"},
-          {"relu", s.relu ? "true" : "false"}};
+          {"relu", s.relu ? "true" : "false"},
+          {"key_bias", s.key_bias ? "true" : "false"}};
 }
 
 std::string Indexer::tensor_prefix(std::int64_t layer) {
@@ -81,6 +83,7 @@ Indexer Indexer::init(const ModelConfig& c, const IndexerSettings& s, std::uint6
     L.ww = at::normal(0.0, s.init_std, {c.num_heads, c.hidden_size}, gen, f32);
     L.bw = at::zeros({c.num_heads}, f32);
     for (at::Tensor* t : {&L.wq, &L.wk, &L.ww, &L.bw}) t->set_requires_grad(true);
+    if (s.key_bias) L.wb = at::zeros({ix.key_heads_, c.hidden_size}, f32).set_requires_grad(true);
     ix.layers_.push_back(std::move(L));
   }
   return ix;
@@ -107,6 +110,10 @@ Indexer Indexer::from_tensors(const std::map<std::string, at::Tensor>& tensors, 
     L.wk = take(p + "wk", {ix.key_heads_ * s.d_index, c.hidden_size});
     L.ww = take(p + "ww", {c.num_heads, c.hidden_size});
     L.bw = take(p + "bw", {c.num_heads});
+    if (s.key_bias)
+      L.wb = take(p + "wb", {ix.key_heads_, c.hidden_size});
+    else if (tensors.count(p + "wb"))
+      fail(source, p + "wb", "key bias present but the file's metadata says key_bias false");
     ix.layers_.push_back(std::move(L));
   }
   const std::string extra = tensor_prefix(c.num_layers) + "wq";
@@ -136,6 +143,11 @@ at::Tensor Indexer::key(std::int64_t layer, const at::Tensor& x, const at::Tenso
 at::Tensor Indexer::head_weights(std::int64_t layer, const at::Tensor& x) const {
   const Layer& L = layers_.at(static_cast<std::size_t>(layer));
   return at::sigmoid(at::linear(x.to(at::kFloat), L.ww, L.bw)).permute({0, 2, 1});
+}
+
+at::Tensor Indexer::key_bias(std::int64_t layer, const at::Tensor& x) const {
+  TORCH_CHECK(settings_.key_bias, "Indexer::key_bias: this indexer has no key bias");
+  return at::linear(x.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wb).transpose(1, 2);
 }
 
 namespace {
@@ -170,6 +182,12 @@ at::Tensor Indexer::head_weights(const std::vector<at::Tensor>& x) const {
   return at::sigmoid(logits).permute({0, 2, 1});
 }
 
+at::Tensor Indexer::key_biases(const std::vector<at::Tensor>& x) const {
+  TORCH_CHECK(settings_.key_bias, "Indexer::key_biases: this indexer has no key bias");
+  return per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) { return at::linear(in, layers_[l].wb); })
+      .transpose(1, 2);
+}
+
 at::Tensor Indexer::score(const at::Tensor& qI, const at::Tensor& w, const at::Tensor& kI) const {
   const std::int64_t B = qI.size(0), Hq = qI.size(1), S = qI.size(2), Hc = kI.size(1);
   // Each cache head's group of query heads: its own G = Hq/Hc heads ("kv"), or every head (one shared key).
@@ -185,12 +203,16 @@ at::Tensor Indexer::score(const at::Tensor& qI, const at::Tensor& w, const at::T
 void Indexer::to(c10::Device device) {
   inv_freq_ = inv_freq_.to(device);
   for (Layer& L : layers_)
-    for (at::Tensor* t : {&L.wq, &L.wk, &L.ww, &L.bw}) *t = to_device_as_leaf(*t, device);
+    for (at::Tensor* t : {&L.wq, &L.wk, &L.ww, &L.bw, &L.wb})
+      if (t->defined()) *t = to_device_as_leaf(*t, device);
 }
 
 std::vector<at::Tensor> Indexer::parameters() const {
   std::vector<at::Tensor> out;
-  for (const Layer& L : layers_) out.insert(out.end(), {L.wq, L.wk, L.ww, L.bw});
+  for (const Layer& L : layers_) {
+    out.insert(out.end(), {L.wq, L.wk, L.ww, L.bw});
+    if (L.wb.defined()) out.push_back(L.wb);
+  }
   return out;
 }
 
@@ -202,6 +224,7 @@ std::map<std::string, at::Tensor> Indexer::named_tensors() const {
     out[p + "wk"] = layers_[i].wk;
     out[p + "ww"] = layers_[i].ww;
     out[p + "bw"] = layers_[i].bw;
+    if (layers_[i].wb.defined()) out[p + "wb"] = layers_[i].wb;
   }
   return out;
 }

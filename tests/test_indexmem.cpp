@@ -118,6 +118,49 @@ TEST(Indexer, ExportRoundTripGivesIdenticalScores) {
   }
 }
 
+// With a key bias the file holds wb per layer and says key_bias in its metadata; the two must agree.
+TEST(Indexer, KeyBiasRoundTripsAndMustMatchTheMetadata) {
+  const ModelConfig c = small_config();
+  IndexerSettings s{8, "kv", true, false, 0.5};
+  s.key_bias = true;
+  const Indexer ix = Indexer::init(c, s, 11);
+  const at::Tensor x = at::randn({2, 6, 24});
+  {
+    const at::NoGradGuard no_grad;
+    EXPECT_EQ(ix.key_bias(1, x).abs().max().item<double>(), 0.0);  // W_b starts at 0: the plain indexer
+    for (auto& [name, t] : ix.named_tensors())
+      if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_();
+  }
+  const at::Tensor b = ix.key_bias(1, x);
+  ASSERT_EQ(b.sizes(), at::IntArrayRef({2, 2, 6}));  // [B, Hk, T]
+  EXPECT_GT(b.abs().min().item<double>(), 0.0);
+  EXPECT_TRUE(at::allclose(ix.key_biases({x.narrow(0, 0, 1), x}).narrow(0, 1, 2), b));  // batched over layers 0, 1
+
+  test::TempDir dir("indexer_key_bias");
+  const std::map<std::string, std::string> meta = indexer_metadata(s);
+  EXPECT_EQ(meta.at("key_bias"), "true");
+  write_safetensors(dir / "ix.safetensors", ix.named_tensors(), meta);
+  const SafetensorsFile file = read_safetensors(dir / "ix.safetensors");
+  EXPECT_EQ(file.tensors.size(), 2u * 5u);
+  const Indexer back = Indexer::from_tensors(file.tensors, c, indexer_settings(file.metadata, "x"), "x");
+  EXPECT_TRUE(back.settings().key_bias);
+  EXPECT_TRUE(at::equal(back.key_bias(1, x), b));
+
+  auto expect_error = [&](const std::map<std::string, at::Tensor>& tensors, const IndexerSettings& settings) {
+    try {
+      Indexer::from_tensors(tensors, c, settings, "g.safetensors");
+      FAIL() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("g.safetensors: model.layers.0.self_attn.indexer.wb"), std::string::npos)
+          << e.what();
+    }
+  };
+  expect_error(file.tensors, IndexerSettings{8, "kv", true, false, 0.5});  // metadata without key_bias
+  std::map<std::string, at::Tensor> missing = file.tensors;
+  missing.erase("model.layers.0.self_attn.indexer.wb");
+  expect_error(missing, s);
+}
+
 using test::tiny_model;
 
 std::shared_ptr<const Indexer> random_indexer() {
@@ -126,9 +169,23 @@ std::shared_ptr<const Indexer> random_indexer() {
   return indexer;
 }
 
-TrainedModules with_indexer() {
+// The same indexer plus a key bias drawn from N(0, 1).
+std::shared_ptr<const Indexer> random_indexer_with_key_bias() {
+  static const auto indexer = [] {
+    IndexerSettings s{8, "kv", true, false, 0.5};
+    s.key_bias = true;
+    auto ix = std::make_shared<Indexer>(Indexer::init(tiny_model().model->config(), s, 3));
+    const at::NoGradGuard no_grad;
+    for (auto& [name, t] : ix->named_tensors())
+      if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_();
+    return std::shared_ptr<const Indexer>(ix);
+  }();
+  return indexer;
+}
+
+TrainedModules with_indexer(std::shared_ptr<const Indexer> indexer = random_indexer()) {
   TrainedModules m;
-  m.add<Indexer>(random_indexer());
+  m.add<Indexer>(std::move(indexer));
   return m;
 }
 
@@ -228,40 +285,47 @@ struct ScoreProbe : AttentionHook {
 };
 
 // With nothing evicted, each key's statistic is the mean (plain, or decayed by a^(age) with a = 1 − 1/H) or
-// the max of I_g[s,t] over every query s >= t, the chunks' split (before/after attention) notwithstanding:
-// computed here from whole-sequence indexer scores.
+// the max of I_g[s,t] over every query s >= t (plus the key's b_g[t] where the indexer has a key bias), the
+// chunks' split (before/after attention) notwithstanding: computed here from whole-sequence indexer scores.
 TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const at::NoGradGuard no_grad;
   const test::TinyModel& f = tiny_model();
-  for (const bool pre_evict : {true, false}) {
-    for (const std::string stat : {"mean", "max", "decayed"}) {
-      SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat);
-      const Config o = indexmem_config(0, stat == "max" ? "max" : "mean", pre_evict, stat == "decayed" ? 5 : 0);
-      auto policy = make_policy("indexmem", o, with_indexer());
-      ScoreProbe probe;
-      probe.policy = policy.get();
-      KVCache cache = f.model->make_cache();
-      for (std::int64_t s = 0; s < 24; s += 6) f.model->forward(f.tokens.narrow(1, s, 6), cache, &probe);
-      auto whole = [&](auto member) {
-        std::vector<at::Tensor> parts;
-        for (const AttentionCall& c : probe.calls) parts.push_back(c.*member);
-        return at::cat(parts, member == &AttentionCall::positions ? 0 : (member == &AttentionCall::normed_input ? 1 : 2));
-      };
-      const at::Tensor x = whole(&AttentionCall::normed_input), q = whole(&AttentionCall::q_pre_rope);
-      const at::Tensor pos = whole(&AttentionCall::positions);
-      const Indexer& ix = *random_indexer();
-      const std::int64_t hkv = f.model->config().num_kv_heads;
-      const at::Tensor I = ix.score(ix.query(0, q, pos), ix.head_weights(0, x), ix.key(0, x, pos).expand({-1, hkv, -1, -1}))
-                               .to(at::kDouble);  // [1, Hkv, S, T]
-      const at::Tensor later = (pos.view({-1, 1}) >= pos.view({1, -1})).view({1, 1, 24, 24});
-      const double a = stat == "decayed" ? 1.0 - 1.0 / 5 : 1.0;
-      const at::Tensor w = later.to(at::kDouble) * at::pow(a, at::arange(23, -1, -1, at::kDouble)).view({1, 1, 24, 1});
-      const at::Tensor want = stat == "max"
-                                  ? I.masked_fill(later.logical_not(), -std::numeric_limits<double>::infinity()).amax(2)
-                                  : (I * w).sum(2) / w.sum(2);
-      const at::Tensor got = probe.scores.to(at::kDouble);  // float32 statistics against a float64 reference
-      EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << (got - want).abs().max();
+  for (const bool key_bias : {false, true}) {
+    for (const bool pre_evict : {true, false}) {
+      for (const std::string stat : {"mean", "max", "decayed"}) {
+        SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat +
+                     (key_bias ? " key bias" : ""));
+        const Config o = indexmem_config(0, stat == "max" ? "max" : "mean", pre_evict, stat == "decayed" ? 5 : 0);
+        const std::shared_ptr<const Indexer> indexer = key_bias ? random_indexer_with_key_bias() : random_indexer();
+        auto policy = make_policy("indexmem", o, with_indexer(indexer));
+        ScoreProbe probe;
+        probe.policy = policy.get();
+        KVCache cache = f.model->make_cache();
+        for (std::int64_t s = 0; s < 24; s += 6) f.model->forward(f.tokens.narrow(1, s, 6), cache, &probe);
+        auto whole = [&](auto member) {
+          std::vector<at::Tensor> parts;
+          for (const AttentionCall& c : probe.calls) parts.push_back(c.*member);
+          const int dim = member == &AttentionCall::positions ? 0 : (member == &AttentionCall::normed_input ? 1 : 2);
+          return at::cat(parts, dim);
+        };
+        const at::Tensor x = whole(&AttentionCall::normed_input), q = whole(&AttentionCall::q_pre_rope);
+        const at::Tensor pos = whole(&AttentionCall::positions);
+        const Indexer& ix = *indexer;
+        const std::int64_t hkv = f.model->config().num_kv_heads;
+        const at::Tensor keys = ix.key(0, x, pos).expand({-1, hkv, -1, -1});
+        const at::Tensor I = ix.score(ix.query(0, q, pos), ix.head_weights(0, x), keys).to(at::kDouble);  // [1, Hkv, S, T]
+        const at::Tensor later = (pos.view({-1, 1}) >= pos.view({1, -1})).view({1, 1, 24, 24});
+        const double a = stat == "decayed" ? 1.0 - 1.0 / 5 : 1.0;
+        const at::Tensor age = at::arange(23, -1, -1, at::kDouble);
+        const at::Tensor w = later.to(at::kDouble) * at::pow(a, age).view({1, 1, 24, 1});
+        at::Tensor want = stat == "max"
+                              ? I.masked_fill(later.logical_not(), -std::numeric_limits<double>::infinity()).amax(2)
+                              : (I * w).sum(2) / w.sum(2);
+        if (key_bias) want = want + ix.key_bias(0, x).expand({-1, hkv, -1}).to(at::kDouble);
+        const at::Tensor got = probe.scores.to(at::kDouble);  // float32 statistics against a float64 reference
+        EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << (got - want).abs().max();
+      }
     }
   }
 }
@@ -305,6 +369,30 @@ TEST(IndexMemCli, TrainsExportsAndEvaluates) {
   ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[indexmem,h2o] --set indexmem.weights=" + (dir / "ix.safetensors"),
                             &policies, &err), 0) << err;
   EXPECT_EQ(policies, (std::set<std::string>{"indexmem", "h2o"}));
+}
+
+// indexmem.key_bias through the real CLI: W_b starts at 0, so only the loss's gradient through the pooled score
+// makes it move; the export carries it and says so, and the policy serves it.
+TEST(IndexMemCli, KeyBiasTrainsExportsAndEvaluates) {
+  const auto cli = test::stories260k_cli();
+  test::TempDir dir("indexmem_key_bias");
+  std::ofstream(dir / "train.yaml") << test::tiny_train_yaml(
+      cli, "  method: indexmem\n  steps: 3\n",
+      "indexmem:\n  d_index: 8\n  window: 8\n  key_bias: true\nrun:\n  out_dir: " + (dir / "run") + "\n");
+  std::string out, err;
+  ASSERT_EQ(test::run_kvbound("train " + (dir / "train.yaml"), &out, &err), 0) << err;
+  ASSERT_EQ(test::run_kvbound("export " + (dir / "run") + " --out " + (dir / "ix.safetensors"), &out, &err), 0) << err;
+  const auto ix = read_safetensors(dir / "ix.safetensors");
+  EXPECT_EQ(ix.tensors.size(), 5u * 5u);  // 5 layers x (wq, wk, ww, bw, wb)
+  EXPECT_EQ(ix.metadata.at("key_bias"), "true");
+  for (std::int64_t l = 0; l < 5; ++l) {
+    const at::Tensor wb = ix.tensors.at(Indexer::tensor_prefix(l) + "wb");
+    EXPECT_GT(wb.abs().max().item<double>(), 0.0) << "layer " << l;
+  }
+  std::set<std::string> policies;
+  ASSERT_EQ(test::tiny_eval(cli, dir / "eval", "--set eval.policies=[indexmem] --set indexmem.weights=" + (dir / "ix.safetensors"),
+                            &policies, &err), 0) << err;
+  EXPECT_EQ(policies, (std::set<std::string>{"indexmem"}));
 }
 
 // Stage 2 from stage 1's run folder (train.init_from): the memory under the frozen indexer, then jointly

@@ -106,8 +106,11 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
       qI = at::constant_pad_nd(qI, {0, 0, unused, 0});
       w = at::constant_pad_nd(w, {unused, 0});
     }
-    const at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
-                                                 settings_.indexer.relu);
+    at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
+                                           settings_.indexer.relu);
+    // A key-only term passes through every pool unchanged (mean, max and logsumexp over queries of I + b are
+    // the pool of I, plus b); −inf (an empty Ω(t)) stays −inf.
+    if (settings_.indexer.key_bias) z = z + indexer_->key_biases(inputs);
     // Each layer's mean over rows and KV heads, times n: groups of rows add up.
     const at::Tensor kl =
         losses::streaming_kl(at::cat(teacher.importance, 0), z, valid_here, num_layers) * static_cast<double>(n);
@@ -144,6 +147,7 @@ IndexerSettings indexer_settings_of(const Config& c) {
   s.key_heads = c.get_string("indexmem.key_heads");
   s.rope = c.get_bool("indexmem.rope");
   s.relu = c.get_bool("indexmem.relu");
+  s.key_bias = c.get_bool("indexmem.key_bias");
   return s;
 }
 
@@ -166,6 +170,8 @@ extern const MethodRegistration indexmem{
           .add("indexmem.key_heads", ConfigType::String, "kv", "indexer keys: kv (one per KV head) | 1 (one shared key)")
           .add("indexmem.rope", ConfigType::Bool, "true", "RoPE on the indexer's queries and keys")
           .add("indexmem.relu", ConfigType::Bool, "false", "ReLU on indexer logits before the head-weighted sum")
+          .add("indexmem.key_bias", ConfigType::Bool, "false",
+               "a learned query-independent score per key (W_b x_t), added to every query's score of it")
           .add("indexmem.pool", ConfigType::String, "mean", "pooling over each key's query window: mean | max | logsumexp")
           .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
           .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap");

@@ -13,6 +13,8 @@
 //
 // indexmem.attention_weight α > 0 adds α·log of each entry's mean received attention (h2o's statistic, from
 // the chunks that have attended so far) to its running indexer score, as trimkv.attention_weight does.
+// An indexer with a key bias (indexmem.key_bias) adds each entry's b_g[t] to its statistic, as the training
+// target's pooled score does.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/full_like.h>
@@ -87,6 +89,10 @@ class IndexMem final : public EvictionPolicy {
     keys_[l] = keys_[l].defined() ? at::cat({keys_[l], chunk_keys}, 2) : chunk_keys.contiguous();
 
     const at::Tensor like = v.cache->positions(v.layer).to(at::kFloat);
+    if (indexer_->settings().key_bias)
+      bias_.extend(v.layer, older + t, like)
+          .narrow(-1, older, t)
+          .copy_(indexer_->key_bias(v.layer, call.normed_input).expand({-1, hkv, -1}));
     at::Tensor& stat = stat_.extend(v.layer, older + t, like);
     at::Tensor& seen = seen_.extend(v.layer, older + t, like);
     chunk_queries_[l] = {};  // the next chunk brings new queries
@@ -102,6 +108,7 @@ class IndexMem final : public EvictionPolicy {
   at::Tensor score(const PolicyView& v) override {
     const at::Tensor& stat = stat_.get(v.layer);
     at::Tensor value = use_max_ ? stat : stat / seen_.get(v.layer).clamp_min(1);
+    if (indexer_->settings().key_bias) value = value + bias_.get(v.layer);
     if (needs_attention()) value = add_attention_evidence(value, attention_, v.layer, attention_weight_);
     // Pre-eviction keeps the `recent` tokens just before the chunk; otherwise those ending at its last token.
     const std::int64_t newest = pre_evict_ ? v.call->start - 1 : v.call->start + v.call->q.size(2) - 1;
@@ -111,6 +118,7 @@ class IndexMem final : public EvictionPolicy {
   void retained(std::int64_t layer, const at::Tensor& index) override {
     stat_.gather(layer, index);
     seen_.gather(layer, index);
+    if (indexer_->settings().key_bias) bias_.gather(layer, index);
     if (needs_attention()) attention_.gather(layer, index);
     at::Tensor& keys = keys_.at(static_cast<std::size_t>(layer));
     keys = at::gather(keys, 2, index.unsqueeze(-1).expand({-1, -1, -1, keys.size(-1)}));
@@ -164,6 +172,7 @@ class IndexMem final : public EvictionPolicy {
   MeanReceivedAttention attention_;  // indexmem.attention_weight > 0 only
   PerEntryState stat_, seen_;     // per layer [B, Hkv, N]: running weighted sum (or max) of I over the queries
                                   // that saw each entry, and the sum of their weights
+  PerEntryState bias_;            // per layer [B, Hkv, N]: each entry's key bias b_g (indexers with key_bias)
   std::vector<at::Tensor> keys_;  // per layer [B, Hkv, N, dI]: each cached entry's indexer key
   std::vector<std::pair<at::Tensor, at::Tensor>> chunk_queries_;  // per layer: the current chunk's qI, w
 };
