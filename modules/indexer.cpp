@@ -110,10 +110,12 @@ Indexer Indexer::from_tensors(const std::map<std::string, at::Tensor>& tensors, 
     L.wk = take(p + "wk", {ix.key_heads_ * s.d_index, c.hidden_size});
     L.ww = take(p + "ww", {c.num_heads, c.hidden_size});
     L.bw = take(p + "bw", {c.num_heads});
-    if (s.key_bias)
+    if (s.key_bias) {
+      if (!tensors.count(p + "wb")) fail(source, p + "wb", "missing: the file's metadata says key_bias true");
       L.wb = take(p + "wb", {ix.key_heads_, c.hidden_size});
-    else if (tensors.count(p + "wb"))
-      fail(source, p + "wb", "key bias present but the file's metadata says key_bias false");
+    } else if (tensors.count(p + "wb")) {
+      fail(source, p + "wb", "key bias present but the file's metadata says key_bias false or does not name it");
+    }
     ix.layers_.push_back(std::move(L));
   }
   const std::string extra = tensor_prefix(c.num_layers) + "wq";

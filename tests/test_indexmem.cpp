@@ -14,6 +14,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -169,17 +170,19 @@ std::shared_ptr<const Indexer> random_indexer() {
   return indexer;
 }
 
-// The same indexer plus a key bias drawn from N(0, 1).
+// A random indexer with a key bias W_b ~ N(0, scale²) (one key per KV head, or one shared key).
+std::shared_ptr<const Indexer> indexer_with_key_bias(const std::string& key_heads, double scale) {
+  IndexerSettings s{8, key_heads, true, false, 0.5};
+  s.key_bias = true;
+  auto ix = std::make_shared<Indexer>(Indexer::init(tiny_model().model->config(), s, 3));
+  const at::NoGradGuard no_grad;
+  for (auto& [name, t] : ix->named_tensors())
+    if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_(0, scale);
+  return ix;
+}
+
 std::shared_ptr<const Indexer> random_indexer_with_key_bias() {
-  static const auto indexer = [] {
-    IndexerSettings s{8, "kv", true, false, 0.5};
-    s.key_bias = true;
-    auto ix = std::make_shared<Indexer>(Indexer::init(tiny_model().model->config(), s, 3));
-    const at::NoGradGuard no_grad;
-    for (auto& [name, t] : ix->named_tensors())
-      if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_();
-    return std::shared_ptr<const Indexer>(ix);
-  }();
+  static const auto indexer = indexer_with_key_bias("kv", 1);
   return indexer;
 }
 
@@ -232,9 +235,10 @@ struct KeepCheck : AttentionHook {
 };
 
 // Prefill in chunks of 5, then decode one token at a time: every step checked by KeepCheck.
-at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, const Config& o) {
+at::Tensor run_engine(const std::string& policy_name, std::int64_t budget, const Config& o,
+                      std::shared_ptr<const Indexer> indexer = random_indexer()) {
   const test::TinyModel& f = tiny_model();
-  auto policy = make_policy(policy_name, o, with_indexer());
+  auto policy = make_policy(policy_name, o, with_indexer(std::move(indexer)));
   BudgetedCache budgeted(*policy, budget);
   KeepCheck check;
   check.inner = &budgeted;
@@ -258,8 +262,13 @@ TEST(IndexMemPolicy, KeepsExactlyTheBudgetWithTheRecentWindowInEveryMode) {
         SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat +
                      " attention_weight " + std::to_string(attention_weight));
         const Config o = indexmem_config(8, stat, pre_evict, 16, attention_weight);
-        EXPECT_GT((run_engine("indexmem", 12, o) - full).abs().max().item<double>(), 1e-3);
+        const at::Tensor budgeted = run_engine("indexmem", 12, o);
+        EXPECT_GT((budgeted - full).abs().max().item<double>(), 1e-3);
         EXPECT_TRUE(at::equal(run_engine("indexmem", 60, o), full));
+        // With a key bias: the same guarantees, and other evictions than without it.
+        const at::Tensor biased = run_engine("indexmem", 12, o, random_indexer_with_key_bias());
+        EXPECT_GT((biased - budgeted).abs().max().item<double>(), 1e-3);
+        EXPECT_TRUE(at::equal(run_engine("indexmem", 60, o, random_indexer_with_key_bias()), full));
       }
     }
   }
@@ -285,19 +294,22 @@ struct ScoreProbe : AttentionHook {
 };
 
 // With nothing evicted, each key's statistic is the mean (plain, or decayed by a^(age) with a = 1 − 1/H) or
-// the max of I_g[s,t] over every query s >= t (plus the key's b_g[t] where the indexer has a key bias), the
-// chunks' split (before/after attention) notwithstanding: computed here from whole-sequence indexer scores.
+// the max of I_g[s,t] over every query s >= t (plus the key's b_g[t] where the indexer has a key bias, per KV head
+// or shared), the chunks' split (before/after attention) notwithstanding: computed here from whole-sequence scores.
 TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const at::NoGradGuard no_grad;
   const test::TinyModel& f = tiny_model();
-  for (const bool key_bias : {false, true}) {
+  const std::shared_ptr<const Indexer> shared_key_biased = indexer_with_key_bias("1", 1);
+  for (const char* variant : {"plain", "key bias", "shared key bias"}) {
+    const bool key_bias = std::string(variant) != "plain";
     for (const bool pre_evict : {true, false}) {
       for (const std::string stat : {"mean", "max", "decayed"}) {
-        SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat +
-                     (key_bias ? " key bias" : ""));
+        SCOPED_TRACE(std::string(pre_evict ? "pre-evict " : "post-attention ") + stat + " " + variant);
         const Config o = indexmem_config(0, stat == "max" ? "max" : "mean", pre_evict, stat == "decayed" ? 5 : 0);
-        const std::shared_ptr<const Indexer> indexer = key_bias ? random_indexer_with_key_bias() : random_indexer();
+        const std::shared_ptr<const Indexer> indexer =
+            !key_bias ? random_indexer()
+                      : (std::string(variant) == "key bias" ? random_indexer_with_key_bias() : shared_key_biased);
         auto policy = make_policy("indexmem", o, with_indexer(indexer));
         ScoreProbe probe;
         probe.policy = policy.get();
@@ -326,6 +338,46 @@ TEST(IndexMemPolicy, RunningStatisticIsThePooledScoreOverEveryLaterQuery) {
         const at::Tensor got = probe.scores.to(at::kDouble);  // float32 statistics against a float64 reference
         EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << (got - want).abs().max();
       }
+    }
+  }
+}
+
+// Records every layer's normalised input, chunk by chunk, around the budgeted cache.
+struct InputCapture : AttentionHook {
+  AttentionHook* inner;
+  std::map<std::int64_t, std::vector<at::Tensor>> inputs;
+  void before_attention(AttentionCall& call, KVCache& cache) override {
+    inputs[call.layer].push_back(call.normed_input);
+    inner->before_attention(call, cache);
+  }
+  void after_attention(AttentionCall& call, KVCache& cache) override { inner->after_attention(call, cache); }
+};
+
+// A key bias a thousand times the indexer scores ranks the keys by b alone, a score that never changes: however
+// the evictions went, the kept older keys must be the top M − R of b among every non-recent key, in every layer and
+// KV head. Holds only if each entry's bias follows its key through every cut.
+TEST(IndexMemPolicy, KeyBiasFollowsItsKeyThroughEveryEviction) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const at::NoGradGuard no_grad;
+  const test::TinyModel& f = tiny_model();
+  const std::int64_t budget = 12, recent = 4, hkv = f.model->config().num_kv_heads;
+  for (const char* key_heads : {"kv", "1"}) {
+    SCOPED_TRACE(key_heads);
+    const std::shared_ptr<const Indexer> ix = indexer_with_key_bias(key_heads, 1000);
+    auto policy = make_policy("indexmem", indexmem_config(recent, "mean", true), with_indexer(ix));
+    BudgetedCache budgeted(*policy, budget);
+    InputCapture capture;
+    capture.inner = &budgeted;
+    KVCache cache = f.model->make_cache();
+    for (std::int64_t s = 0; s < 30; s += 5) f.model->forward(f.tokens.narrow(1, s, 5), cache, &capture);
+    for (std::int64_t t = 30; t < 60; ++t) f.model->forward(f.tokens.narrow(1, t, 1), cache, &capture);
+    // The last cut came before token 59: it kept 55..58 (recent) and the top M − R of positions 0..54.
+    for (const auto& [layer, parts] : capture.inputs) {
+      const at::Tensor b = ix->key_bias(layer, at::cat(parts, 1)).expand({-1, hkv, -1});  // [1, Hkv, 60]
+      const at::Tensor kept = std::get<0>(cache.positions(layer).sort(-1));                 // [1, Hkv, M + 1]
+      const at::Tensor top = std::get<1>(b.narrow(-1, 0, 55).topk(budget - recent, -1));
+      const at::Tensor want = std::get<0>(at::cat({top, at::arange(55, 60, top.options()).expand({1, hkv, 5})}, -1).sort(-1));
+      EXPECT_TRUE(at::equal(kept, want)) << "layer " << layer << ": kept " << kept << " want " << want;
     }
   }
 }
