@@ -59,7 +59,7 @@ class Indexer {
   at::Tensor head_weights(std::int64_t layer, const at::Tensor& x) const;
   // b [B, Hk, T] from x [B, T, hidden]; settings().key_bias only.
   at::Tensor key_bias(std::int64_t layer, const at::Tensor& x) const;
-  // The same three for every layer at once (training's loss), one input per layer in layer order, each [B, ...]
+  // The same four for every layer at once (training's loss), one input per layer in layer order, each [B, ...]
   // as above: the results concatenated along the batch dim, [layers·B, ...] with row l·B + b layer l's row b.
   // Only the projections run per layer; the norms, RoPE and sigmoid run once over all layers (a step's worth of
   // small ops, and their backward, one per step rather than one per layer).
