@@ -119,6 +119,13 @@ TEST(Indexer, ExportRoundTripGivesIdenticalScores) {
   }
 }
 
+// Every layer's W_b (zero at init) drawn from N(0, scale²), in place.
+void draw_key_bias(const Indexer& ix, double scale) {
+  const at::NoGradGuard no_grad;
+  for (auto& [name, t] : ix.named_tensors())
+    if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_(0, scale);
+}
+
 // With a key bias the file holds wb per layer and says key_bias in its metadata; the two must agree.
 TEST(Indexer, KeyBiasRoundTripsAndMustMatchTheMetadata) {
   const ModelConfig c = small_config();
@@ -126,12 +133,8 @@ TEST(Indexer, KeyBiasRoundTripsAndMustMatchTheMetadata) {
   s.key_bias = true;
   const Indexer ix = Indexer::init(c, s, 11);
   const at::Tensor x = at::randn({2, 6, 24});
-  {
-    const at::NoGradGuard no_grad;
-    EXPECT_EQ(ix.key_bias(1, x).abs().max().item<double>(), 0.0);  // W_b starts at 0: the plain indexer
-    for (auto& [name, t] : ix.named_tensors())
-      if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_();
-  }
+  EXPECT_EQ(ix.key_bias(1, x).abs().max().item<double>(), 0.0);  // W_b starts at 0: the plain indexer
+  draw_key_bias(ix, 1);
   const at::Tensor b = ix.key_bias(1, x);
   ASSERT_EQ(b.sizes(), at::IntArrayRef({2, 2, 6}));  // [B, Hk, T]
   EXPECT_GT(b.abs().min().item<double>(), 0.0);
@@ -175,9 +178,7 @@ std::shared_ptr<const Indexer> indexer_with_key_bias(const std::string& key_head
   IndexerSettings s{8, key_heads, true, false, 0.5};
   s.key_bias = true;
   auto ix = std::make_shared<Indexer>(Indexer::init(tiny_model().model->config(), s, 3));
-  const at::NoGradGuard no_grad;
-  for (auto& [name, t] : ix->named_tensors())
-    if (name.size() > 2 && name.substr(name.size() - 2) == "wb") t.normal_(0, scale);
+  draw_key_bias(*ix, scale);
   return ix;
 }
 
