@@ -228,7 +228,8 @@ int cmd_train(int argc, char** argv) {
   auto method = make_method(config, *model);
   const TrainingRows rows(config.get_string("data.train_text"), *loaded.tokenizer, config.get_int("train.seq_len"),
                           static_cast<std::uint64_t>(config.get_int("train.seed")),
-                          RowCutting{config.get_bool("data.pack"), config.get_bool("data.shift_rows")});
+                          RowCutting{config.get_bool("data.pack"), config.get_bool("data.shift_rows")},
+                          config.get_float("data.recall_share"));
   if (rank == 0)
     std::cerr << "[train] " << method->name() << " on " << loaded.model_path << ": " << rows.num_rows() << " rows of <= "
               << rows.seq_len() << " tokens from " << rows.num_tokens() << " tokens\n";

@@ -26,6 +26,9 @@ ConfigSchema train_schema() {
            "cut rows across document boundaries (short documents fill rows; mark boundaries with prepare --add-eos)")
       .add("data.shift_rows", ConfigType::Bool, "false",
            "cut each epoch after the first at another offset (from train.seed), so repeated epochs see other rows")
+      .add("data.recall_share", ConfigType::Float, "0.0",
+           "share of full rows rewritten as a synthetic recall task: a numbered fact in the row's text, asked for "
+           "at its end (data/recall_tasks.h)")
       .add("data.eval_text", ConfigType::String, "\"\"", "held-out plain text for the periodic budgeted eval (empty: none)")
       .add("data.eval_text_part", ConfigType::FloatList, "[0.0, 1.0]",
            "[from, to): the share of data.eval_text's paragraphs the periodic eval (and so --best) uses")

@@ -19,9 +19,10 @@ struct TrainingRows::Source {
 };
 
 TrainingRows::TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed,
-                           RowCutting cutting)
+                           RowCutting cutting, double recall_share)
     : source_(std::make_unique<Source>()), seq_len_(seq_len), bos_(tokenizer.bos_id()), seed_(seed),
       shift_(cutting.shift) {
+  if (recall_share != 0) recall_.emplace(tokenizer, recall_share, seed);
   if (seq_len < 2) fail("config", "train.seq_len", "must be >= 2");
   if (bos_ < 0) fail(path, "tokenizer", "has no BOS token; training rows start with BOS");
   const std::string ext = std::filesystem::path(path).extension().string();
@@ -106,7 +107,9 @@ Batch TrainingRows::next(std::int64_t batch_size, DataPosition& position, const 
     const std::int64_t b = g % batch_size;
     const Row& r = rows(position.epoch)[static_cast<std::size_t>(drawn)];
     const bool has_next = r.start + r.count < r.doc_end;
-    const std::vector<std::int32_t> ids = read(r.start, r.count + (has_next ? 1 : 0));
+    std::vector<std::int32_t> ids = read(r.start, r.count + (has_next ? 1 : 0));
+    if (recall_ && r.count == T - 1 && has_next)
+      if (auto task = recall_->plant(position.epoch, drawn, ids)) ids = std::move(task->tokens);
     const std::size_t row = static_cast<std::size_t>(b * T);
     for (std::int64_t i = 0; i < r.count; ++i) inputs[row + static_cast<std::size_t>(i) + 1] = ids[static_cast<std::size_t>(i)];
     const std::int64_t scored = r.count + (has_next ? 1 : 0);

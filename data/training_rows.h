@@ -22,6 +22,9 @@
 // repeated for many epochs shows each token at other positions after other contexts, instead of the same
 // rows again.
 //
+// Recall tasks (`recall_share` > 0): a drawn share of the full rows is rewritten as a synthetic recall task of
+// the same length (data/recall_tasks.h), a function of (seed, epoch, row) like everything above.
+//
 // Order: rows are shuffled per epoch by a permutation drawn from (seed, epoch) alone, so the data position
 // (epoch, cursor) is all a checkpoint needs to resume the exact same batches. Data-parallel training shards
 // each global batch: with `world` processes an update draws world × B rows, and rank r takes rows
@@ -31,9 +34,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "data/recall_tasks.h"
 #include "data/tokenizer.h"
 
 namespace kvbound {
@@ -66,9 +71,10 @@ struct RowCutting {
 class TrainingRows {
  public:
   // `path`: .txt/.jsonl (documents split as `kvbound prepare` does) or .h5 (checked against `tokenizer`).
-  // Throws kvbound::Error naming the path when it yields no row.
+  // Throws kvbound::Error naming the path when it yields no row. With recall_share > 0, `tokenizer` must
+  // outlive the rows (the tasks are tokenized as they are drawn).
   TrainingRows(const std::string& path, const Tokenizer& tokenizer, std::int64_t seq_len, std::uint64_t seed,
-               RowCutting cutting = {});
+               RowCutting cutting = {}, double recall_share = 0);
   ~TrainingRows();
 
   // Rows of an epoch (with `shift`, a later epoch may hold one more per document: its short first row).
@@ -94,6 +100,7 @@ class TrainingRows {
   std::int64_t seq_len_, bos_;
   std::uint64_t seed_;
   bool shift_;
+  std::optional<RecallTasks> recall_;
   std::int64_t total_tokens_ = 0;
   std::vector<std::int64_t> doc_offsets_;  // after packing: {0, total}
   std::vector<Row> unshifted_rows_;

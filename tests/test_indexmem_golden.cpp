@@ -1,4 +1,4 @@
-// IndexMem golden: the stage-1 indexer loss L_KL (IndexMemIndexerMethod, three pool / window / min_gap
+// IndexMem golden: the stage-1 indexer loss L_KL (IndexMemIndexerMethod, four pool / window / min_gap / lead
 // settings) and the stage-2 latent-memory loss L_MSE (MemoryMethod under streaming_llm at two budgets, add and slot reads) equal,
 // in total, per layer and in their parameter gradients, a float64 PyTorch implementation of the same formulas
 // on a tiny random Llama with a padded batch (tests/golden/make_indexmem_golden.py).
@@ -95,7 +95,9 @@ TEST(IndexMemGolden, IndexerKLEqualsThePythonFormulas) {
     s.pool = ops::parse_pool_mode(s.pool_name);
     s.window = meta_int(golden, k + "window");
     s.min_gap = meta_int(golden, k + "min_gap");
-    const std::string what = s.pool_name + " window " + std::to_string(s.window) + " min_gap " + std::to_string(s.min_gap);
+    s.lead = meta_int(golden, k + "lead");
+    const std::string what = s.pool_name + " window " + std::to_string(s.window) + " min_gap " + std::to_string(s.min_gap) +
+                             " lead " + std::to_string(s.lead);
     SCOPED_TRACE(what);
     IndexMemIndexerMethod method(*model, s, 0);
     load_parameters(method.named_parameters(), weights);

@@ -51,6 +51,8 @@ IndexMemSettings indexmem_settings(const Config& c, const IndexerSettings& index
   m.window = c.get_int("indexmem.window");
   m.min_gap = c.get_int("indexmem.min_gap");
   if (m.min_gap < 0) fail("config", "indexmem.min_gap", "must be >= 0");
+  m.lead = c.get_int("indexmem.lead");
+  if (m.lead < 0) fail("config", "indexmem.lead", "must be >= 0");
   m.policy_config = c;
   return m;
 }
@@ -71,6 +73,9 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
   // are grouped by real length L (their weighted positions: padding, and a document's last token, which has
   // no target, are dropped) and each group runs on its first L columns. Rows whose keys all have an empty
   // Ω(t) (L <= min_gap) give no target and are skipped.
+  // With a lead, the student sees the row as it stood `lead` queries before its end (its first S = L − lead
+  // columns: keys and queries) and is asked for the attention the row's last queries pay those keys: what the
+  // policy must do, rank the cached keys by the queries seen so far for the queries still to come.
   const at::Tensor lengths = batch.weights.gt(0).sum(1).cpu();
   std::map<std::int64_t, std::vector<std::int64_t>> groups;
   for (std::int64_t b = 0; b < lengths.size(0); ++b) groups[lengths[b].item<std::int64_t>()].push_back(b);
@@ -79,8 +84,10 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
   std::vector<at::Tensor> layer_kl(static_cast<std::size_t>(num_layers));
   std::int64_t rows = 0;
   for (const auto& [L, members] : groups) {
-    const at::Tensor valid = ops::pooled_valid_keys(L, settings_.window, settings_.min_gap);  // [L] bool, CPU
-    if (L < 1 || !valid.any().item<bool>()) continue;
+    const std::int64_t S = L - settings_.lead;  // the student's columns
+    if (S < 1) continue;
+    const at::Tensor valid = ops::pooled_valid_keys(S, settings_.window, settings_.min_gap);  // [S] bool, CPU
+    if (!valid.any().item<bool>()) continue;
     const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong)).to(batch.inputs.device());
     const at::Tensor valid_here = valid.to(batch.inputs.device());
     TeacherCapture teacher(settings_);
@@ -89,18 +96,19 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     // Every Ω(t) lies within the row's last `window` queries: the indexer's queries and head weights are formed
     // there alone and the rows before them are zeros the score never reads (with window = 32 of 511 queries,
     // the projections, norms and RoPE of 16× fewer rows, and their backward).
-    const std::int64_t used = settings_.window > 0 ? std::min(settings_.window, L) : L, unused = L - used;
+    const std::int64_t used = settings_.window > 0 ? std::min(settings_.window, S) : S, unused = S - used;
     // Every layer at once, layer l's rows at l·n … l·n + n − 1 of the batch dim (Indexer::keys): one op per
     // step for the norms, RoPE, the pooled score and the KL rather than one per layer.
     std::vector<at::Tensor> inputs, window_inputs, window_queries;
     for (std::int64_t l = 0; l < num_layers; ++l) {
       const auto i = static_cast<std::size_t>(l);
-      inputs.push_back(teacher.normed_input[i]);
+      inputs.push_back(teacher.normed_input[i].narrow(1, 0, S));
       window_inputs.push_back(teacher.normed_input[i].narrow(1, unused, used));
       window_queries.push_back(teacher.q_pre_rope[i].narrow(2, unused, used));
     }
-    const at::Tensor kI = indexer_->keys(inputs, teacher.positions);
-    at::Tensor qI = indexer_->queries(window_queries, teacher.positions.narrow(0, unused, used));
+    const at::Tensor positions = teacher.positions.narrow(0, 0, S);
+    const at::Tensor kI = indexer_->keys(inputs, positions);
+    at::Tensor qI = indexer_->queries(window_queries, positions.narrow(0, unused, used));
     at::Tensor w = indexer_->head_weights(window_inputs);
     if (unused > 0) {
       qI = at::constant_pad_nd(qI, {0, 0, unused, 0});
@@ -112,8 +120,8 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     // the pool of I, plus b); −inf (an empty Ω(t)) stays −inf.
     if (settings_.indexer.key_bias) z = z + indexer_->key_biases(inputs);
     // Each layer's mean over rows and KV heads, times n: groups of rows add up.
-    const at::Tensor kl =
-        losses::streaming_kl(at::cat(teacher.importance, 0), z, valid_here, num_layers) * static_cast<double>(n);
+    const at::Tensor kl = losses::streaming_kl(at::cat(teacher.importance, 0).narrow(-1, 0, S), z, valid_here, num_layers) *
+                          static_cast<double>(n);
     for (std::int64_t l = 0; l < num_layers; ++l) {
       const auto i = static_cast<std::size_t>(l);
       layer_kl[i] = layer_kl[i].defined() ? layer_kl[i] + kl[l] : kl[l];
@@ -131,6 +139,7 @@ std::map<std::string, std::string> IndexMemIndexerMethod::metadata() const {
             {"pool", settings_.pool_name},
             {"window", std::to_string(settings_.window)},
             {"min_gap", std::to_string(settings_.min_gap)},
+            {"lead", std::to_string(settings_.lead)},
             {"recent", std::to_string(settings_.policy_config.get_int("indexmem.recent"))},
             {"stat", settings_.policy_config.get_string("indexmem.stat")},
             {"horizon", std::to_string(settings_.policy_config.get_int("indexmem.horizon"))},
@@ -174,7 +183,10 @@ extern const MethodRegistration indexmem{
                "a learned query-independent score per key (W_b x_t), added to every query's score of it")
           .add("indexmem.pool", ConfigType::String, "mean", "pooling over each key's query window: mean | max | logsumexp")
           .add("indexmem.window", ConfigType::Int, "32", "pool over the last W queries of the row (<= 0: every later query)")
-          .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap");
+          .add("indexmem.min_gap", ConfigType::Int, "0", "pool only over queries >= key position + min_gap")
+          .add("indexmem.lead", ConfigType::Int, "0",
+               "the indexer scores a row's keys by its queries up to `lead` before the row's end, for the target of "
+               "the row's last queries (0: the same queries)");
     },
     [](ConfigSchema& s) {
       s.add("indexmem.weights", ConfigType::String, "\"\"",

@@ -20,10 +20,11 @@ struct IndexMemSettings {
   std::string pool_name = "mean";
   std::int64_t window = 32;  // Ω(t): the last `window` queries of the row (<= 0: every later query)
   std::int64_t min_gap = 0;  // Ω(t): only queries >= t + min_gap
+  std::int64_t lead = 0;     // the student's Ω(t) ends `lead` queries before the row's end, the target's at it
   Config policy_config = kvbound::policy_config();  // the indexmem policy's keys, for the periodic eval
 };
 
-// The KL target's settings (indexmem.pool, .window, .min_gap; the policy keys) for an indexer with `indexer`
+// The KL target's settings (indexmem.pool, .window, .min_gap, .lead; the policy keys) for an indexer with `indexer`
 // settings; kvbound::Error naming the key for a bad value.
 IndexMemSettings indexmem_settings(const Config& config, const IndexerSettings& indexer);
 

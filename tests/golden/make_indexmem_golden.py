@@ -1,5 +1,5 @@
 """IndexMem loss golden: a tiny random Llama (GQA 8/2), random indexer and latent-memory weights under their
-export names, and a padded batch; the stage-1 indexer loss L_KL (at three pool / window / min_gap settings)
+export names, and a padded batch; the stage-1 indexer loss L_KL (at four pool / window / min_gap / lead settings)
 and the stage-2 memory loss L_MSE (streaming_llm evictions replayed at two budgets; add and slot reads), per layer and in total,
 plus their gradients, computed here in float64 with plain PyTorch from DESIGN.md's formulas as the C++
 implements them. The teacher q/k/v are recomputed by hand from transformers' layer inputs (checked against
@@ -15,7 +15,8 @@ from golden_io import tiny_random_llama
 
 # Stage 1: the indexer (key_heads kv, rope on, relu off) and the (pool, window, min_gap) settings.
 D_INDEX = 8
-KL_SETTINGS = [("mean", 6, 0), ("max", 5, 2), ("logsumexp", 0, 1)]  # window 0: every later query
+# (pool, window, min_gap, lead); window 0: every later query; lead: the student sees the first L − lead columns.
+KL_SETTINGS = [("mean", 6, 0, 0), ("max", 5, 2, 0), ("logsumexp", 0, 1, 0), ("mean", 4, 0, 3)]
 # Stage 2: the latent memory under streaming_llm.
 D_MEMORY, BUDGETS, CHUNK, SINKS, MEM_EPS = 4, (6, 10), 4, 4, 1e-6
 RMS_EPS_INDEXER = 1e-6
@@ -90,8 +91,9 @@ def pool_over_omega(x, pool, window, min_gap, empty):
     return torch.where(valid, pooled, torch.full_like(pooled, empty)), valid
 
 
-def indexer_kl(layers, weights, ix, cfg, pool, window, min_gap):
-    """L_KL per layer and total. Rows grouped by real length L (weight > 0), run on their first L columns."""
+def indexer_kl(layers, weights, ix, cfg, pool, window, min_gap, lead):
+    """L_KL per layer and total. Rows grouped by real length L (weight > 0), run on their first L columns; the
+    student on the first S = L − lead of them, against the teacher's importance of those S keys."""
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     G = Hq // Hkv
     lengths = (weights > 0).sum(1).tolist()
@@ -100,25 +102,28 @@ def indexer_kl(layers, weights, ix, cfg, pool, window, min_gap):
     rows = 0
     for L in sorted(set(lengths)):
         members = [b for b, n in enumerate(lengths) if n == L]
-        valid = window_starts(L, window, min_gap) < L
-        if L < 1 or not valid.any():
+        S = L - lead
+        if S < 1:
             continue
-        pos = torch.arange(L)
+        valid = window_starts(S, window, min_gap) < S
+        if not valid.any():
+            continue
+        pos = torch.arange(S)
         for li, t in enumerate(layers):
             p = f"model.layers.{li}.self_attn.indexer."
-            x = t["x"][members, :L]
-            q_pre = t["q_pre"][members, :, :L]
+            x = t["x"][members, :S]
+            q_pre = t["q_pre"][members, :, :S]
             A = t["probs"][members, :, :L, :L]  # causal softmax over t <= s: the prefix is its own forward
             Bg = len(members)
             # teacher: mean over the group's heads of pool_{s∈Ω(t)} A_h[s, t]; 0 at invalid keys
             a_h, _ = pool_over_omega(A, pool, window, min_gap, 0.0)  # [Bg, Hq, L]
-            a = a_h.view(Bg, Hkv, G, L).mean(2)
+            a = a_h.view(Bg, Hkv, G, L).mean(2)[..., :S]
             # student
             qI = rope(rms_unweighted(q_pre @ ix[p + "wq"].T), pos, ROPE_THETA)  # [Bg, Hq, L, dI]
-            kI = rope(rms_unweighted((x @ ix[p + "wk"].T).view(Bg, L, Hkv, D_INDEX).transpose(1, 2)), pos, ROPE_THETA)
+            kI = rope(rms_unweighted((x @ ix[p + "wk"].T).view(Bg, S, Hkv, D_INDEX).transpose(1, 2)), pos, ROPE_THETA)
             w = torch.sigmoid(x @ ix[p + "ww"].T + ix[p + "bw"]).permute(0, 2, 1)  # [Bg, Hq, L]
             dots = qI @ kI.repeat_interleave(G, 1).transpose(-1, -2)  # [Bg, Hq, s, t]
-            I = (w[..., None] * dots).view(Bg, Hkv, G, L, L).sum(2) / math.sqrt(D_INDEX)
+            I = (w[..., None] * dots).view(Bg, Hkv, G, S, S).sum(2) / math.sqrt(D_INDEX)
             z, _ = pool_over_omega(I, pool, window, min_gap, float("-inf"))
             # KL(p_T ‖ p_S) over the valid keys, mean over rows and KV heads
             av = a[..., valid]
@@ -258,11 +263,12 @@ def main(out_dir):
     meta = {"d_index": str(D_INDEX), "d_memory": str(D_MEMORY), "budgets": ",".join(map(str, BUDGETS)),
             "chunk": str(CHUNK), "sinks": str(SINKS), "kl_settings": str(len(KL_SETTINGS))}
 
-    for i, (pool, window, min_gap) in enumerate(KL_SETTINGS):
+    for i, (pool, window, min_gap, lead) in enumerate(KL_SETTINGS):
         ix64 = {k: v.double().requires_grad_(True) for k, v in ix.items()}
-        total, per_layer = indexer_kl(layers, weights, ix64, config, pool, window, min_gap)
+        total, per_layer = indexer_kl(layers, weights, ix64, config, pool, window, min_gap, lead)
         total.backward()
         meta.update({f"kl{i}.pool": pool, f"kl{i}.window": str(window), f"kl{i}.min_gap": str(min_gap),
+                     f"kl{i}.lead": str(lead),
                      f"kl{i}.total": repr(total.item())})
         for li, v in enumerate(per_layer):
             meta[f"kl{i}.layer{li}"] = repr(v.item())
