@@ -2,7 +2,7 @@
 # Retrain every shipped SmolLM2 weight file (assets/weights/) from its config, in dependency order: prepare the
 # IndexMem training data, train and export the TRIM-KV gates, the memory under them, the IndexMem indexer and the
 # memory under it, each export bf16 and picked at its best validation eval. assets/README.md has each step's time
-# here at 2 threads; summed, about 1 h 45 min. Extra arguments go to every `kvbound train`, e.g.
+# here at 2 threads; summed, about 1 h 15 min. Extra arguments go to every `kvbound train`, e.g.
 # `--set model.threads=2`; tests/CMakeLists.txt's scripts.train_shipped_weights_smoke passes 2 updates on short
 # rows for a smoke run of the whole chain (about 20 s here).
 # Everything lands in OUT_DIR (default runs/shipped_weights), never in assets/: the prepared IndexMem training
