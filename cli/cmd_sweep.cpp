@@ -46,6 +46,7 @@
 #include "cli/sweep_inputs.h"
 #include "eval/results.h"
 #include "eval/sweep_summary.h"
+#include "modules/policies/registry.h"
 #include "train/method_registry.h"
 
 namespace kvbound {
@@ -315,7 +316,8 @@ class Sweep {
 
 int cmd_sweep(int argc, char** argv) {
   cxxopts::Options o("kvbound sweep", "Train, export and evaluate every point of a grid of configs, then summarise "
-                                      "(mean ± std over seeds, best point per budget, plots).");
+                                      "(mean ± std over seeds, best point per budget, each learned policy against the best heuristic "
+                                      "of its own seed, plots).");
   o.add_options()("sweep", "sweep file (see configs/sweeps/)", cxxopts::value<std::string>())(
       "j,jobs", "points run at once (each gets 1/N of the cores)", cxxopts::value<std::int64_t>()->default_value("1"))(
       "dry-run", "print the commands the sweep would run, run nothing")("h,help", "show help");
@@ -384,7 +386,7 @@ int cmd_sweep(int argc, char** argv) {
         if (fs::exists(results)) runs.push_back({table_points.size() - 1, seed, read_results_json(results.string())});
       }
     }
-  const SweepSummary summary = summarize_sweep(keys, table_points, runs, spec.metric);
+  const SweepSummary summary = summarize_sweep(keys, table_points, runs, spec.metric, heuristic_policy_names());
   const std::string table = sweep_markdown(summary);
   write_file_atomic((fs::path(spec.out_dir) / "summary.md").string(), table);
   write_file_atomic((fs::path(spec.out_dir) / "summary.csv").string(), sweep_csv(summary));

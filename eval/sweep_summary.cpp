@@ -1,11 +1,13 @@
 #include "eval/sweep_summary.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <iomanip>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "base/errors.h"
 #include "eval/plots.h"
@@ -58,6 +60,43 @@ std::string csv_field(const std::string& text) {
   return quoted + "\"";
 }
 
+std::string budget_name(std::int64_t budget) { return budget == 0 ? std::string("full") : std::to_string(budget); }
+
+// Fills s.against_heuristics: within each run (one point, one seed), each bounded non-heuristic row against
+// the best heuristic row of its budget.
+void compare_with_heuristics(const std::vector<SweepRun>& runs, SweepSummary& s) {
+  const bool higher = higher_is_better(s.metric);
+  const auto is_heuristic = [&](const std::string& policy) {
+    return std::find(s.heuristics.begin(), s.heuristics.end(), policy) != s.heuristics.end();
+  };
+  std::map<std::tuple<std::size_t, std::string, std::int64_t>, std::size_t> index;
+  for (const SweepRun& run : runs) {
+    std::map<std::int64_t, std::pair<double, std::string>> best;  // budget -> best heuristic value, its name
+    for (const ResultRow& row : run.results.rows) {
+      const auto it = row.metrics.find(s.metric);
+      if (!is_heuristic(row.policy) || row.budget == 0 || it == row.metrics.end() || !std::isfinite(it->second)) continue;
+      const auto held = best.find(row.budget);
+      if (held == best.end() || (higher ? it->second > held->second.first : it->second < held->second.first))
+        best[row.budget] = {it->second, row.policy};
+    }
+    for (const ResultRow& row : run.results.rows) {
+      const auto it = row.metrics.find(s.metric);
+      const auto heuristic = best.find(row.budget);
+      if (is_heuristic(row.policy) || row.budget == 0 || it == row.metrics.end() || heuristic == best.end()) continue;
+      const auto key = std::make_tuple(run.point, row.policy, row.budget);
+      if (!index.count(key)) {
+        index[key] = s.against_heuristics.size();
+        s.against_heuristics.push_back({run.point, row.policy, row.budget, {}, {}});
+      }
+      HeuristicComparison& c = s.against_heuristics[index[key]];
+      c.per_seed.push_back(higher ? it->second - heuristic->second.first : it->second / heuristic->second.first);
+      c.best_heuristic.push_back(heuristic->second.second);
+    }
+  }
+  std::stable_sort(s.against_heuristics.begin(), s.against_heuristics.end(),
+                   [](const HeuristicComparison& a, const HeuristicComparison& b) { return a.point < b.point; });
+}
+
 }  // namespace
 
 std::string sweep_point_name(const std::vector<std::pair<std::string, std::string>>& values) {
@@ -70,11 +109,12 @@ std::string sweep_point_name(const std::vector<std::pair<std::string, std::strin
 }
 
 SweepSummary summarize_sweep(std::vector<std::string> keys, std::vector<SweepPoint> points,
-                             const std::vector<SweepRun>& runs, const std::string& metric_name) {
+                             const std::vector<SweepRun>& runs, const std::string& metric_name,
+                             std::vector<std::string> heuristics) {
   const auto& known = quality_metrics();
   if (std::find(known.begin(), known.end(), metric_name) == known.end())
     fail("sweep", "metric", "'" + metric_name + "' (kl_to_full, top1_agree, nll, retrieval_acc)");
-  SweepSummary s{std::move(keys), std::move(points), metric_name, {}};
+  SweepSummary s{std::move(keys), std::move(points), metric_name, {}, std::move(heuristics), {}};
   // (point, policy, budget) -> metric -> values over seeds, in first-seen order.
   std::vector<std::tuple<std::size_t, std::string, std::int64_t>> order;
   std::map<std::tuple<std::size_t, std::string, std::int64_t>, std::pair<std::int64_t, std::map<std::string, std::vector<double>>>> values;
@@ -110,6 +150,7 @@ SweepSummary summarize_sweep(std::vector<std::string> keys, std::vector<SweepPoi
     if (higher_is_better(metric_name) ? now > held : now < held) current->second = i;
   }
   for (const auto& [budget, i] : best) s.rows[i].best = true;
+  compare_with_heuristics(runs, s);
   return s;
 }
 
@@ -126,7 +167,7 @@ std::string sweep_markdown(const SweepSummary& s) {
   for (const SweepSummaryRow& r : s.rows) {
     out << "| ";
     for (const auto& [k, v] : s.points.at(r.point).values) out << v << " | ";
-    out << r.policy << " | " << (r.budget == 0 ? std::string("full") : std::to_string(r.budget)) << " | " << r.seeds << " |";
+    out << r.policy << " | " << budget_name(r.budget) << " | " << r.seeds << " |";
     for (const std::string& m : metrics) {
       const auto it = r.metrics.find(m);
       if (it == r.metrics.end()) {
@@ -137,6 +178,28 @@ std::string sweep_markdown(const SweepSummary& s) {
       out << " " << (r.best && m == s.metric ? "**" + cell + "**" : cell) << " |";
     }
     out << (r.best ? " ✔ |" : " |") << "\n";
+  }
+  if (s.against_heuristics.empty()) return out.str();
+  const bool higher = higher_is_better(s.metric);
+  std::string listed;
+  for (const std::string& h : s.heuristics) listed += (listed.empty() ? "" : ", ") + h;
+  out << "\n" << s.metric << (higher ? " minus" : " over") << " that of the best heuristic in the same seed (" << listed
+      << "):\n\n| ";
+  for (const std::string& k : s.keys) out << k << " | ";
+  out << "policy | M | seeds | mean | min | max | best heuristic per seed |\n|";
+  for (std::size_t i = 0; i < s.keys.size() + 6; ++i) out << (i < s.keys.size() + 1 ? ":---|" : "---:|");
+  out << ":---|\n";
+  const int digits = higher ? 3 : 2;
+  const std::string unit = higher ? "" : "×";
+  for (const HeuristicComparison& c : s.against_heuristics) {
+    out << "| ";
+    for (const auto& [k, v] : s.points.at(c.point).values) out << v << " | ";
+    const auto [lowest, highest] = std::minmax_element(c.per_seed.begin(), c.per_seed.end());
+    out << c.policy << " | " << budget_name(c.budget) << " | " << c.per_seed.size() << " | "
+        << number(mean_std(c.per_seed).first, digits) << unit << " | " << number(*lowest, digits) << unit << " | "
+        << number(*highest, digits) << unit << " | ";
+    for (std::size_t i = 0; i < c.best_heuristic.size(); ++i) out << (i ? ", " : "") << c.best_heuristic[i];
+    out << " |\n";
   }
   return out.str();
 }

@@ -13,7 +13,7 @@ class Full final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration full{
-    "full", "every token (the unbounded reference)", [](ConfigSchema&) {},
+    "full", PolicyKind::Reference, "every token (the unbounded reference)", [](ConfigSchema&) {},
     [](const Config&, const TrainedModules&) -> PolicyMaker {
       return [](std::uint64_t) { return std::make_unique<Full>(); };
     }};

@@ -33,7 +33,7 @@ class H2O final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration h2o{
-    "h2o", "the tokens with the highest mean received attention, and the h2o.recent newest",
+    "h2o", PolicyKind::Heuristic, "the tokens with the highest mean received attention, and the h2o.recent newest",
     [](ConfigSchema& s) { s.add("h2o.recent", ConfigType::Int, "8", "h2o: most recent tokens always kept"); },
     [](const Config& c, const TrainedModules&) -> PolicyMaker {
       const std::int64_t recent = c.get_int("h2o.recent");

@@ -180,7 +180,7 @@ class IndexMem final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration indexmem{
-    "indexmem", "the keys with the highest running indexer score (pre-evicting), and the indexmem.recent newest",
+    "indexmem", PolicyKind::Learned, "the keys with the highest running indexer score (pre-evicting), and the indexmem.recent newest",
     [](ConfigSchema& s) {
       s.add("indexmem.recent", ConfigType::Int, "8", "indexmem policy: most recent tokens always kept")
           .add("indexmem.stat", ConfigType::String, "mean", "indexmem policy: running statistic of a key's scores: mean | max")

@@ -19,7 +19,7 @@ class KeyDiff final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration keydiff{
-    "keydiff", "the keys least similar to the mean key", [](ConfigSchema&) {},
+    "keydiff", PolicyKind::Heuristic, "the keys least similar to the mean key", [](ConfigSchema&) {},
     [](const Config&, const TrainedModules&) -> PolicyMaker {
       return [](std::uint64_t) { return std::make_unique<KeyDiff>(); };
     }};

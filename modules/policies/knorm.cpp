@@ -16,7 +16,7 @@ class Knorm final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration knorm{
-    "knorm", "the keys with the lowest L2 norm", [](ConfigSchema&) {},
+    "knorm", PolicyKind::Heuristic, "the keys with the lowest L2 norm", [](ConfigSchema&) {},
     [](const Config&, const TrainedModules&) -> PolicyMaker {
       return [](std::uint64_t) { return std::make_unique<Knorm>(); };
     }};

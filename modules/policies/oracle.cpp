@@ -64,7 +64,7 @@ class Oracle final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration oracle{
-    "oracle", "hindsight reference: the tokens the full model's future queries attend to most (eval only)",
+    "oracle", PolicyKind::Hindsight, "hindsight reference: the tokens the full model's future queries attend to most (eval only)",
     [](ConfigSchema& s) {
       s.add("oracle.queries", ConfigType::String, "scored",
             "oracle: whose future attention ranks the cache: scored (the task's scored queries) | later (every later query)");

@@ -27,7 +27,7 @@ class Random final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration random{
-    "random", "a uniformly random subset, redrawn at every eviction", [](ConfigSchema&) {},
+    "random", PolicyKind::Heuristic, "a uniformly random subset, redrawn at every eviction", [](ConfigSchema&) {},
     [](const Config&, const TrainedModules&) -> PolicyMaker {
       return [](std::uint64_t seed) { return std::make_unique<Random>(seed); };
     }};

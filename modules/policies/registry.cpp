@@ -39,6 +39,13 @@ std::vector<std::string> policy_names() {
   return names;
 }
 
+std::vector<std::string> heuristic_policy_names() {
+  std::vector<std::string> names;
+  for (const PolicyRegistration* r : policy_registry())
+    if (r->kind == PolicyKind::Heuristic) names.emplace_back(r->name);
+  return names;
+}
+
 void declare_policy_keys(ConfigSchema& schema) {
   for (const PolicyRegistration* r : policy_registry()) r->declare_keys(schema);
 }

@@ -20,8 +20,17 @@ namespace kvbound {
 // Builds a fresh policy for one sequence (policies keep per-sequence state); `seed` drives random ones.
 using PolicyMaker = std::function<std::unique_ptr<EvictionPolicy>(std::uint64_t seed)>;
 
+// What a policy is, for the reports that set the learned policies against the heuristics they must beat.
+enum class PolicyKind {
+  Reference,  // keeps everything (full): what the others are measured against
+  Heuristic,  // a rule from the literature, nothing trained
+  Learned,    // ranks the cache with trained modules (TrainedModules)
+  Hindsight,  // sees the future queries (oracle): a bound, not a deployable policy
+};
+
 struct PolicyRegistration {
   const char* name;
+  PolicyKind kind;
   const char* summary;  // what it keeps, one line
   void (*declare_keys)(ConfigSchema& schema);  // the keys it owns (may declare none)
   // Reads and checks its keys (kvbound::Error naming the key) and finds the learned modules it needs
@@ -32,6 +41,8 @@ struct PolicyRegistration {
 // The registered policies, in policy_list.h's order.
 const std::vector<const PolicyRegistration*>& policy_registry();
 std::vector<std::string> policy_names();
+// The registered policies of kind Heuristic, in registry order.
+std::vector<std::string> heuristic_policy_names();
 // Every policy's keys.
 void declare_policy_keys(ConfigSchema& schema);
 // The policy keys alone at their defaults, with "KEY=VALUE" overrides (tests and benches build policies so).

@@ -64,7 +64,7 @@ class SnapKV final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration snapkv{
-    "snapkv", "the tokens the last snapkv.window queries vote for (pooled), and the window itself",
+    "snapkv", PolicyKind::Heuristic, "the tokens the last snapkv.window queries vote for (pooled), and the window itself",
     [](ConfigSchema& s) {
       s.add("snapkv.window", ConfigType::Int, "32", "snapkv: observation window (last queries)")
           .add("snapkv.pool", ConfigType::Int, "5", "snapkv: average-pool width over key positions (odd)");

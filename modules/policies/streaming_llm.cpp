@@ -26,7 +26,7 @@ class StreamingLlm final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration streaming_llm{
-    "streaming_llm", "the first streaming_llm.sinks tokens (attention sinks) and the most recent ones",
+    "streaming_llm", PolicyKind::Heuristic, "the first streaming_llm.sinks tokens (attention sinks) and the most recent ones",
     [](ConfigSchema& s) { s.add("streaming_llm.sinks", ConfigType::Int, "4", "streaming_llm: attention-sink tokens always kept"); },
     [](const Config& c, const TrainedModules&) -> PolicyMaker {
       const std::int64_t sinks = c.get_int("streaming_llm.sinks");

@@ -17,7 +17,7 @@ class Tova final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration tova{
-    "tova", "the tokens the newest query attends to most", [](ConfigSchema&) {},
+    "tova", PolicyKind::Heuristic, "the tokens the newest query attends to most", [](ConfigSchema&) {},
     [](const Config&, const TrainedModules&) -> PolicyMaker {
       return [](std::uint64_t) { return std::make_unique<Tova>(); };
     }};

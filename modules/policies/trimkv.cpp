@@ -121,7 +121,7 @@ class TrimKV final : public EvictionPolicy {
 }  // namespace
 
 extern const PolicyRegistration trimkv{
-    "trimkv", "the tokens with the highest decayed retention (t + offset - pos)·log β from trained gates",
+    "trimkv", PolicyKind::Learned, "the tokens with the highest decayed retention (t + offset - pos)·log β from trained gates",
     [](ConfigSchema& s) {
       s.add("trimkv.score_offset", ConfigType::Int, "0",
             "trimkv policy: score (t + offset - pos)·log β (0: kvbound; 2: the official cache)")
