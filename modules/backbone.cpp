@@ -26,6 +26,7 @@
 #include "base/errors.h"
 #include "checkpoints/model_loader.h"
 #include "ops/causal_attention_cpu.h"
+#include "ops/causal_attention_float32.h"
 #include "ops/gated_activation.h"
 #include "ops/rms_norm.h"
 #include "ops/rope.h"
@@ -264,11 +265,13 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
   const bool on_tiles = call.q.scalar_type() != at::kFloat || call.bf16x3;  // float32 only where asked for
-  if (on_tiles && ops::causal_attention_cpu_fits(call.q, keys, values)) {
-    // A bfloat16 prefill chunk on an AMX CPU, or a float32 one of a bf16x3 backbone (ops/causal_attention_cpu.h):
-    // the logsumexp comes with it.
+  // A bfloat16 prefill chunk on an AMX CPU, or a float32 one of a bf16x3 backbone (ops/causal_attention_cpu.h); a
+  // float32 one of a float32 backbone (ops/causal_attention_float32.h): the logsumexp comes with either.
+  const auto kernel = on_tiles ? (ops::causal_attention_cpu_fits(call.q, keys, values) ? &ops::causal_attention_cpu : nullptr)
+                               : (ops::causal_attention_float32_fits(call.q, keys, values) ? &ops::causal_attention_float32 : nullptr);
+  if (kernel) {
     at::Tensor lse;
-    call.output = ops::causal_attention_cpu(call.q, keys, values, call.wants_logsumexp ? &lse : nullptr);
+    call.output = kernel(call.q, keys, values, call.wants_logsumexp ? &lse : nullptr);
     if (call.wants_logsumexp) call.logsumexp = lse.unsqueeze(-1);
   } else {
     std::optional<at::Tensor> mask;  // none for a first chunk (plain causal) or a single token

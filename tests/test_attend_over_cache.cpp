@@ -19,6 +19,7 @@
 #include "modules/backbone.h"
 #include "modules/kv_cache.h"
 #include "ops/causal_attention_cpu.h"
+#include "ops/causal_attention_float32.h"
 #include "ops/cuda_module.h"
 
 using namespace kvbound;
@@ -171,7 +172,8 @@ TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
 
 // A float32 chunk takes ops/causal_attention_cpu only when the call says the backbone's products are bf16x3
 // (AttentionCall::bf16x3): then within 32× the plain float32 formula's error of the float64 one, with its
-// logsumexp; otherwise SDPA's output, bit for bit. A first chunk of 192 queries and one after 192 cached entries.
+// logsumexp; otherwise the float32 sgemm kernel's output. A first chunk of 192 queries and one after 192 cached
+// entries.
 TEST(AttendOverCache, Float32ChunksTakeTheAmxKernelOnlyUnderBf16x3) {
   const at::Tensor probe = at::randn({1, 6, 192, 64}), probe_kv = at::randn({1, 2, 192, 64});
   if (!ops::causal_attention_cpu_fits(probe, probe_kv, probe_kv))
@@ -194,7 +196,7 @@ TEST(AttendOverCache, Float32ChunksTakeTheAmxKernelOnlyUnderBf16x3) {
     const at::Tensor keys = tiles.keys(0).repeat_interleave(3, 1), values = tiles.values(0).repeat_interleave(3, 1);
     const auto scores_at = [&](at::ScalarType precision) { return chunk_scores(call.q, keys, start, precision); };
     const at::Tensor mask = scores_at(at::kFloat).isfinite();
-    EXPECT_TRUE(at::equal(call.output, at::scaled_dot_product_attention(call.q, keys, values, mask))) << where;
+    EXPECT_TRUE(at::equal(call.output, ops::causal_attention_float32(call.q, plain.keys(0), plain.values(0), nullptr))) << where;
     const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
     const at::Tensor plain_float = at::matmul(at::softmax(scores_at(at::kFloat), -1), values);
     const double error = max_abs_diff(on_tiles.output.to(at::kDouble), exact);
@@ -207,6 +209,44 @@ TEST(AttendOverCache, Float32ChunksTakeTheAmxKernelOnlyUnderBf16x3) {
     EXPECT_LE(max_abs_diff(on_tiles.logsumexp.to(at::kDouble), want_lse), 32 * plain_lse_error) << where;
     plain.advance(192);
     tiles.advance(192);
+  }
+}
+
+// A float32 chunk of a float32 backbone takes ops/causal_attention_float32 from 96 queries on (any CPU): its
+// output and logsumexp, within 4× the plain float32 formula's error of the float64 one; a shorter chunk SDPA's
+// output, bit for bit. A first chunk of 96 queries, one of 95 after it, one of 128 after both.
+TEST(AttendOverCache, Float32ChunksTakeTheSgemmKernelFrom96Queries) {
+  at::manual_seed(23);
+  KVCache cache(1);
+  std::int64_t start = 0;
+  for (const std::int64_t T : {96, 95, 128}) {
+    AttentionCall call;
+    call.q = at::randn({2, 6, T, 64}) * 2;
+    call.k = at::randn({2, 2, T, 64});
+    call.v = at::randn({2, 2, T, 64});
+    call.positions = at::arange(start, start + T, at::TensorOptions().dtype(at::kLong));
+    call.wants_logsumexp = true;
+    attend_over_cache(call, cache, nullptr);
+    const std::string where = "T " + std::to_string(T) + " after " + std::to_string(start);
+    const at::Tensor keys = cache.keys(0).repeat_interleave(3, 1), values = cache.values(0).repeat_interleave(3, 1);
+    const auto scores_at = [&](at::ScalarType precision) { return chunk_scores(call.q, keys, start, precision); };
+    const at::Tensor sdpa = at::scaled_dot_product_attention(call.q, keys, values, scores_at(at::kFloat).isfinite());
+    if (T < 96) {
+      EXPECT_TRUE(at::equal(call.output, sdpa)) << where;
+    } else {
+      at::Tensor lse;
+      EXPECT_TRUE(at::equal(call.output, ops::causal_attention_float32(call.q, cache.keys(0), cache.values(0), &lse))) << where;
+      EXPECT_TRUE(at::equal(call.logsumexp, lse.unsqueeze(-1))) << where;
+      EXPECT_FALSE(at::equal(call.output, sdpa)) << where << ": the kernel did not run";
+    }
+    const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
+    const at::Tensor plain_float = at::matmul(at::softmax(scores_at(at::kFloat), -1), values);
+    EXPECT_LE(max_abs_diff(call.output.to(at::kDouble), exact), 4 * max_abs_diff(plain_float.to(at::kDouble), exact)) << where;
+    const at::Tensor want_lse = at::logsumexp(scores_at(at::kDouble), -1, true);
+    const double plain_lse_error = max_abs_diff(at::logsumexp(scores_at(at::kFloat), -1, true).to(at::kDouble), want_lse);
+    EXPECT_LE(max_abs_diff(call.logsumexp.to(at::kDouble), want_lse), std::max(1e-5, 4 * plain_lse_error)) << where;
+    cache.advance(T);
+    start += T;
   }
 }
 
