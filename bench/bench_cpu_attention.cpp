@@ -1,5 +1,5 @@
 // A CPU prefill attention kernel against its peer in the same run: `tiles` (ops/causal_attention_cpu.h; bfloat16,
-// or float32 as bf16x3) or `sgemm` (ops/causal_attention_float32.h; float32 on the BLAS sgemm), each against
+// or float32 as bf16x3) or `sgemm` (ops/causal_attention_float32.h; float32 on the BLAS sgemm, bfloat16 inputs widened to it), each against
 // SDPA's CPU flash kernel with GQA in the same dtype (what the backbone calls otherwise, and what transformers
 // calls): one layer's causal attention of a chunk of T queries over `cached` + T keys, Hq query heads over Hkv KV
 // heads, head dim D, the best of `repeats` timings of `layers` calls. Prints one JSON line with both times, their

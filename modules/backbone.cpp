@@ -25,6 +25,7 @@
 #include "base/content_hash.h"
 #include "base/errors.h"
 #include "checkpoints/model_loader.h"
+#include "ops/amx_panels.h"
 #include "ops/causal_attention_cpu.h"
 #include "ops/causal_attention_float32.h"
 #include "ops/gated_activation.h"
@@ -264,9 +265,11 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   cache.append(call.layer, call.k, call.v, call.positions);
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
-  const bool on_tiles = call.q.scalar_type() != at::kFloat || call.bf16x3;  // float32 only where asked for
   // A bfloat16 prefill chunk on an AMX CPU, or a float32 one of a bf16x3 backbone (ops/causal_attention_cpu.h); a
-  // float32 one of a float32 backbone (ops/causal_attention_float32.h): the logsumexp comes with either.
+  // float32 one of a float32 backbone, or a bfloat16 one on a CPU without AMX, whose SDPA kernel forms its bfloat16
+  // products as float32 GEMMs through per-block conversions (ops/causal_attention_float32.h): the logsumexp comes
+  // with either.
+  const bool on_tiles = call.bf16x3 || (call.q.scalar_type() != at::kFloat && ops::amx::bf16_available());
   const auto kernel = on_tiles ? (ops::causal_attention_cpu_fits(call.q, keys, values) ? &ops::causal_attention_cpu : nullptr)
                                : (ops::causal_attention_float32_fits(call.q, keys, values) ? &ops::causal_attention_float32 : nullptr);
   if (kernel) {

@@ -70,11 +70,41 @@ KVBOUND_VECTOR_CLONES void write_row(const float* o, float inv_sum, int64_t D, f
   for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inv_sum;
 }
 
+KVBOUND_VECTOR_CLONES void write_row(const float* o, float inv_sum, int64_t D, uint16_t* out) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = cpu::float_to_bf16(o[d] * inv_sum);
+}
+
+void widen_row(const float* in, int64_t D, float* out) { std::copy_n(in, D, out); }
+
+KVBOUND_VECTOR_CLONES void widen_row(const uint16_t* in, int64_t D, float* out) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = cpu::bf16_to_float(in[d]);
+}
+
+// The float32 operands of the products: K or V as they are, or a bfloat16 cache's [B, Hkv, N, D] widened once per
+// call (every query block of a head reads all of it) into a contiguous float32 copy.
+at::Tensor float32_operand(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x;
+  const at::Tensor wide = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const int64_t Hkv = x.size(1), N = x.size(2), D = x.size(3);
+  const auto* in = static_cast<const uint16_t*>(x.const_data_ptr());
+  float* out = wide.mutable_data_ptr<float>();
+  at::parallel_for(0, x.size(0) * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      for (int64_t n = 0; n < N; ++n)
+        widen_row(in + (bh / Hkv) * x.stride(0) + (bh % Hkv) * x.stride(1) + n * x.stride(2), D,
+                  out + (bh * N + n) * D);
+  });
+  return wide;
+}
+
 }  // namespace
 
 bool causal_attention_float32_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
-  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || q.scalar_type() != at::kFloat ||
-      keys.scalar_type() != at::kFloat || values.scalar_type() != at::kFloat || q.dim() != 4 || keys.dim() != 4 ||
+  const at::ScalarType dtype = q.scalar_type();
+  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || (dtype != at::kFloat && dtype != at::kBFloat16) ||
+      keys.scalar_type() != dtype || values.scalar_type() != dtype || q.dim() != 4 || keys.dim() != 4 ||
       values.sizes() != keys.sizes())
     return false;
   const int64_t D = q.size(3), T = q.size(2), N = keys.size(2), Hkv = keys.size(1);
@@ -89,9 +119,11 @@ bool causal_attention_float32_fits(const at::Tensor& q, const at::Tensor& keys, 
   return q.dim() == 4 && q.size(2) >= kMinQueries && causal_attention_float32_supported(q, keys, values);
 }
 
-at::Tensor causal_attention_float32(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                    at::Tensor* logsumexp) {
-  TORCH_CHECK(causal_attention_float32_supported(q, keys, values), "causal_attention_float32: inputs outside its path");
+namespace {
+
+// scalar_t: float, or uint16_t for bfloat16 q and output (K and V arrive widened).
+template <typename scalar_t>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor* logsumexp) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = keys.size(1), N = keys.size(2), G = Hq / Hkv, cached = N - T;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -102,11 +134,11 @@ at::Tensor causal_attention_float32(const at::Tensor& q, const at::Tensor& keys,
   const int64_t score_stride = (N + kLanes - 1) / kLanes * kLanes + kLanes;
 
   const at::Tensor out = at::empty({B, T, Hq, D}, q.options());  // [B, Hq, T, D] through the transpose below
-  at::Tensor lse = logsumexp ? at::empty({B, Hq, T}, q.options()) : at::Tensor();
-  const float* q_data = q.const_data_ptr<float>();
+  at::Tensor lse = logsumexp ? at::empty({B, Hq, T}, q.options().dtype(at::kFloat)) : at::Tensor();
+  const auto* q_data = static_cast<const scalar_t*>(q.const_data_ptr());
   const float* k_data = keys.const_data_ptr<float>();
   const float* v_data = values.const_data_ptr<float>();
-  float* out_data = out.mutable_data_ptr<float>();
+  auto* out_data = static_cast<scalar_t*>(out.mutable_data_ptr());
   float* lse_data = logsumexp ? lse.mutable_data_ptr<float>() : nullptr;
 
   at::parallel_for(0, B * Hkv * query_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -123,8 +155,8 @@ at::Tensor causal_attention_float32(const at::Tensor& q, const at::Tensor& keys,
       const int64_t s0 = (p % 2 == 0 ? p / 2 : query_blocks - 1 - p / 2) * queries;
       const int64_t qn = std::min(queries, T - s0), rows = G * qn;
       for (int64_t g = 0; g < G; ++g) {
-        const float* head = q_data + b * q.stride(0) + (h * G + g) * q.stride(1) + s0 * q.stride(2);
-        for (int64_t t = 0; t < qn; ++t) std::copy_n(head + t * q.stride(2), D, q_rows.get() + (g * qn + t) * D);
+        const scalar_t* head = q_data + b * q.stride(0) + (h * G + g) * q.stride(1) + s0 * q.stride(2);
+        for (int64_t t = 0; t < qn; ++t) widen_row(head + t * q.stride(2), D, q_rows.get() + (g * qn + t) * D);
       }
       // The block's last query sees cached + s0 + qn keys; earlier rows mask the rest of that width.
       const int64_t width = cached + s0 + qn;
@@ -147,6 +179,15 @@ at::Tensor causal_attention_float32(const at::Tensor& q, const at::Tensor& keys,
   });
   if (logsumexp) *logsumexp = lse;
   return out.transpose(1, 2);
+}
+
+}  // namespace
+
+at::Tensor causal_attention_float32(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                    at::Tensor* logsumexp) {
+  TORCH_CHECK(causal_attention_float32_supported(q, keys, values), "causal_attention_float32: inputs outside its path");
+  const at::Tensor k32 = float32_operand(keys), v32 = float32_operand(values);
+  return q.scalar_type() == at::kFloat ? attend<float>(q, k32, v32, logsumexp) : attend<uint16_t>(q, k32, v32, logsumexp);
 }
 
 }  // namespace kvbound::ops

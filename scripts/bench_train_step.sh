@@ -24,6 +24,10 @@ for method in trimkv indexmem; do
   esac
   for variant in float32:float32 float32:bf16x3 bfloat16:float32; do
     dtype=${variant%%:*} products=${variant##*:}
+    if [[ $products == bf16x3 ]] && ! grep -qw amx_bf16 /proc/cpuinfo; then
+      echo "$method update: bf16x3 products need AMX, which this CPU lacks: skipped"
+      continue
+    fi
     ours=$("$build"/bench/bench_train_step "$model" "$method" "$T" "$B" "$steps" cpu "$dtype" \
       model.threads="$threads" model.fp32_products="$products" "${keys[@]}" | tail -n 1)
     printf '%s\n' "$ours"

@@ -18,6 +18,7 @@
 
 #include "modules/backbone.h"
 #include "modules/kv_cache.h"
+#include "ops/amx_panels.h"
 #include "ops/causal_attention_cpu.h"
 #include "ops/causal_attention_float32.h"
 #include "ops/cuda_module.h"
@@ -137,7 +138,7 @@ TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   const at::Tensor probe = at::randn({1, 6, 192, 64}, bf16), probe_kv = at::randn({1, 2, 192, 64}, bf16);
   if (!ops::causal_attention_cpu_fits(probe, probe_kv, probe_kv))
-    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): SDPA runs every chunk here";
+    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the tiles never run here";
   at::manual_seed(21);
   KVCache plain(1), asking(1);
   for (std::int64_t start = 0; start < 384; start += 192) {
@@ -177,7 +178,7 @@ TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
 TEST(AttendOverCache, Float32ChunksTakeTheAmxKernelOnlyUnderBf16x3) {
   const at::Tensor probe = at::randn({1, 6, 192, 64}), probe_kv = at::randn({1, 2, 192, 64});
   if (!ops::causal_attention_cpu_fits(probe, probe_kv, probe_kv))
-    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): SDPA runs every chunk here";
+    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the tiles never run here";
   at::manual_seed(22);
   KVCache plain(1), tiles(1);
   for (std::int64_t start = 0; start < 384; start += 192) {
@@ -245,6 +246,42 @@ TEST(AttendOverCache, Float32ChunksTakeTheSgemmKernelFrom96Queries) {
     const at::Tensor want_lse = at::logsumexp(scores_at(at::kDouble), -1, true);
     const double plain_lse_error = max_abs_diff(at::logsumexp(scores_at(at::kFloat), -1, true).to(at::kDouble), want_lse);
     EXPECT_LE(max_abs_diff(call.logsumexp.to(at::kDouble), want_lse), std::max(1e-5, 4 * plain_lse_error)) << where;
+    cache.advance(T);
+    start += T;
+  }
+}
+
+// Without AMX a bfloat16 chunk of ≥ 96 queries takes ops/causal_attention_float32 too (SDPA's bfloat16 kernel there
+// converts every block for a float32 GEMM): its output and logsumexp bit for bit, within 2× the plain bfloat16
+// formula's error of the float64 one; a shorter chunk SDPA's output. A first chunk of 96 queries, one of 95 after it.
+TEST(AttendOverCache, BFloat16ChunksTakeTheSgemmKernelWithoutAmx) {
+  if (ops::amx::bf16_available()) GTEST_SKIP() << "this CPU has AMX: its bfloat16 chunks take the tiles (tested above)";
+  at::manual_seed(24);
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  KVCache cache(1);
+  std::int64_t start = 0;
+  for (const std::int64_t T : {96, 95}) {
+    AttentionCall call;
+    call.q = (at::randn({2, 6, T, 64}) * 2).to(at::kBFloat16);
+    call.k = at::randn({2, 2, T, 64}, bf16);
+    call.v = at::randn({2, 2, T, 64}, bf16);
+    call.positions = at::arange(start, start + T, at::TensorOptions().dtype(at::kLong));
+    call.wants_logsumexp = true;
+    attend_over_cache(call, cache, nullptr);
+    const std::string where = "T " + std::to_string(T) + " after " + std::to_string(start);
+    const at::Tensor keys = cache.keys(0).repeat_interleave(3, 1), values = cache.values(0).repeat_interleave(3, 1);
+    const auto scores_at = [&](at::ScalarType precision) { return chunk_scores(call.q, keys, start, precision); };
+    const at::Tensor sdpa = at::scaled_dot_product_attention(call.q, keys, values, scores_at(at::kFloat).isfinite());
+    if (T < 96) {
+      EXPECT_TRUE(at::equal(call.output, sdpa)) << where;
+    } else {
+      at::Tensor lse;
+      EXPECT_TRUE(at::equal(call.output, ops::causal_attention_float32(call.q, cache.keys(0), cache.values(0), &lse))) << where;
+      EXPECT_TRUE(at::equal(call.logsumexp, lse.unsqueeze(-1))) << where;
+      const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
+      const at::Tensor plain_bf16 = at::matmul(at::softmax(scores_at(at::kBFloat16), -1), values);
+      EXPECT_LE(max_abs_diff(call.output.to(at::kDouble), exact), 2 * max_abs_diff(plain_bf16.to(at::kDouble), exact)) << where;
+    }
     cache.advance(T);
     start += T;
   }

@@ -1,8 +1,9 @@
 // The float32 CPU prefill attention on the BLAS sgemm (ops/causal_attention_float32.h): within a small multiple of
 // the plain float32 formula's error against float64, output and row logsumexp, for first chunks and chunks after
 // cached keys, batches of 2, GQA groups of 1 to 16, head dims 16 to 256, query counts that leave a partial block,
-// 4096 keys, strided inputs; the same result whatever the thread count; and which inputs it takes and which it is
-// the faster kernel for. It needs no AMX: it runs on every CPU. tests/test_attend_over_cache.cpp runs it through
+// 4096 keys, strided inputs; bfloat16 inputs (a bfloat16 model on a CPU without AMX) within a small multiple of
+// the plain bfloat16 formula's error; the same result whatever the thread count; and which inputs it takes and
+// which it is the faster kernel for. It needs no AMX: it runs on every CPU. tests/test_attend_over_cache.cpp runs it through
 // the backbone's path.
 #include <ATen/Parallel.h>
 #include <ATen/ops/logsumexp.h>
@@ -78,6 +79,35 @@ TEST(CausalAttentionFloat32, WithinASmallMultipleOfThePlainFloat32Error) {
   }
 }
 
+// bfloat16 q, K and V (a bfloat16 backbone's chunk where the AMX tiles are absent): products and softmax in float32,
+// the output rounded once to bfloat16, so within 2× the plain bfloat16 formula's error against float64 (its scores,
+// weights and products each rounded to bfloat16), the logsumexp within the float32 formula's error on the bfloat16
+// inputs; strided keys as the contiguous ones.
+TEST(CausalAttentionFloat32, TakesBfloat16InputsWithinTheBfloat16FormulasError) {
+  at::manual_seed(34);
+  for (const Shape s : {Shape{2, 9, 3, 192, 0, 64}, Shape{1, 4, 2, 100, 60, 128}, Shape{1, 3, 1, 96, 0, 16}}) {
+    const int64_t N = s.cached + s.T;
+    const at::Tensor q = (at::randn({s.B, s.Hq, s.T, s.D}) * 2).to(at::kBFloat16);
+    const at::Tensor buffer_k = at::randn({s.B, s.Hkv, N + 8, s.D}).to(at::kBFloat16);
+    const at::Tensor keys = buffer_k.narrow(2, 0, N), values = at::randn({s.B, s.Hkv, N, s.D}).to(at::kBFloat16);
+    const std::string where = s.describe();
+    ASSERT_TRUE(ops::causal_attention_float32_supported(q, keys, values)) << where;
+    at::Tensor lse;
+    const at::Tensor out = ops::causal_attention_float32(q, keys, values, &lse);
+    ASSERT_EQ(out.scalar_type(), at::kBFloat16) << where;
+    ASSERT_EQ(out.sizes(), q.sizes()) << where;
+    ASSERT_EQ(lse.scalar_type(), at::kFloat) << where;
+    const at::Tensor exact = attention_at(q, keys, values, at::kDouble);
+    const double error = max_abs_diff(out, exact);
+    EXPECT_GT(error, 0) << where;
+    EXPECT_LE(error, 2 * max_abs_diff(attention_at(q, keys, values, at::kBFloat16), exact)) << where;
+    const at::Tensor exact_lse = at::logsumexp(masked_scores(q, keys, at::kDouble), -1);
+    EXPECT_LE(max_abs_diff(lse, exact_lse), 4 * max_abs_diff(at::logsumexp(masked_scores(q, keys, at::kFloat), -1), exact_lse))
+        << where;
+    EXPECT_TRUE(at::equal(ops::causal_attention_float32(q, keys.contiguous(), values, nullptr), out)) << where;
+  }
+}
+
 // Each task owns its rows: one thread or two, the same result bit for bit.
 TEST(CausalAttentionFloat32, TheSameOnOneThreadAsOnTwo) {
   at::manual_seed(32);
@@ -119,8 +149,9 @@ TEST(CausalAttentionFloat32, TakesOnlyItsInputsAndRunsWhereItIsFaster) {
     EXPECT_FALSE(ops::causal_attention_float32_supported(q_, k_, v_)) << why;
     EXPECT_FALSE(ops::causal_attention_float32_fits(q_, k_, v_)) << why;
   };
-  refused(q.to(at::kBFloat16), kv.to(at::kBFloat16), kv.to(at::kBFloat16), "bfloat16");
-  refused(q, kv.to(at::kBFloat16), kv, "bfloat16 keys");
+  EXPECT_TRUE(ops::causal_attention_float32_fits(q.to(at::kBFloat16), kv.to(at::kBFloat16), kv.to(at::kBFloat16)));
+  refused(q, kv.to(at::kBFloat16), kv, "bfloat16 keys for float32 queries");
+  refused(q.to(at::kHalf), kv.to(at::kHalf), kv.to(at::kHalf), "float16");
   refused(q.to(at::kDouble), kv.to(at::kDouble), kv.to(at::kDouble), "float64");
   refused(at::randn({1, 6, 96, 512}), at::randn({1, 2, 200, 512}), at::randn({1, 2, 200, 512}), "head dim 512");
   refused(q, kv.narrow(2, 0, 90), kv.narrow(2, 0, 90), "fewer keys than queries");
