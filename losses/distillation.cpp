@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "ops/amx_panels.h"
+#include "ops/bf16_dot_panels.h"
 #include "ops/distillation_rows.h"
 
 namespace kvbound::losses {
@@ -170,12 +171,16 @@ DistillationHead::DistillationHead(const at::Tensor& head) : weight_(head) {
               "DistillationHead: head must be a floating-point [V, d] matrix; got ", head.sizes(), " ",
               head.scalar_type());
   const int64_t V = head.size(0), d = head.size(1);
-  if (head.is_cpu() && head.scalar_type() == at::kBFloat16 && d % 2 == 0 && ops::amx::bf16_available()) {
-    logit_panels_ = ops::amx::pack_transposed_panels(head.contiguous());
+  if (head.is_cpu() && head.scalar_type() == at::kBFloat16 && d % 2 == 0 &&
+      (ops::amx::bf16_available() || ops::bf16_dot::available())) {
+    amx_ = ops::amx::bf16_available();
+    const auto pack = amx_ ? +[](const at::Tensor& rows) { return ops::amx::pack_transposed_panels(rows); }
+                           : +[](const at::Tensor& rows) { return ops::bf16_dot::pack_transposed_panels(rows); };
+    logit_panels_ = pack(head.contiguous());
     // Wᵀ with V rounded up to an even K (a zero column when V is odd), packed in panels of 64 of its d rows.
     at::Tensor transposed = at::zeros({d, round_up(V, 2)}, head.options());
     transposed.narrow(1, 0, V).copy_(head.t());
-    mix_panels_ = ops::amx::pack_transposed_panels(transposed);
+    mix_panels_ = pack(transposed);
     return;
   }
   float_ = head.to(at::kFloat);
@@ -184,7 +189,7 @@ DistillationHead::DistillationHead(const at::Tensor& head) : weight_(head) {
 bool DistillationHead::on_tiles(const at::Tensor& hidden) const {
   // The AMX check is asked again each call: it follows the mkldnn switch (ops/amx_panels.h).
   return logit_panels_.defined() && hidden.is_cpu() && hidden.scalar_type() == at::kBFloat16 &&
-         ops::amx::bf16_available();
+         (!amx_ || ops::amx::bf16_available());
 }
 
 at::Tensor DistillationHead::float_weight() const { return float_.defined() ? float_ : weight_.to(at::kFloat); }
@@ -208,6 +213,7 @@ void DistillationHead::logits_into(const at::Tensor& buffer, const at::Tensor& h
   const auto* panels = static_cast<const uint16_t*>(logit_panels_.const_data_ptr());
   float* out = buffer.mutable_data_ptr<float>();
   at::parallel_for(0, buffer.size(1) / ops::amx::kPanel, 8, [&](int64_t first, int64_t last) {
+    if (!amx_) return ops::bf16_dot::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
     ops::amx::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
     ops::amx::release();
   });
@@ -220,6 +226,15 @@ void DistillationHead::mix_into(const at::Tensor& out, const at::Tensor& probabi
   const auto* a_bits = static_cast<const uint16_t*>(probabilities.const_data_ptr());
   const auto* packed = static_cast<const uint16_t*>(mix_panels_.const_data_ptr());
   float* c = out.mutable_data_ptr<float>();
+  if (!amx_) {
+    // d / 64 panels (9 for SmolLM2) split unevenly over the threads: rows split instead, each C element still
+    // summed in one order.
+    at::parallel_for(0, n, 6, [&](int64_t begin, int64_t end) {
+      ops::bf16_dot::multiply_panels(a_bits + begin * probabilities.stride(0), end - begin, K, probabilities.stride(0),
+                                     packed, 0, panels, c + begin * out.stride(0), out.stride(0));
+    });
+    return;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     ops::amx::multiply_panels_k_sliced(a_bits, n, K, probabilities.stride(0), packed, first, last, c, out.stride(0));
     ops::amx::release();

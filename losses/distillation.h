@@ -5,7 +5,8 @@
 //   ce = Σ_{b,t} w[b,t]·(−log softmax(sh[b,t]·Wᵀ)[target[b,t]]) / Σ w
 //
 // Memory-bounded: logits exist for block_rows positions at a time (float32; with bfloat16 hidden states and head
-// on an AMX CPU their products run on the tile units, ops/amx_panels.h), in the forward only, so no
+// on an AMX CPU their products run on the tile units, ops/amx_panels.h, on an AVX512-BF16 one through
+// ops/bf16_dot_panels.h), in the forward only, so no
 // [B·T, V] tensor is ever allocated; peak extra memory is two [block_rows, V] float buffers (on the tile units
 // one or two [block_rows, V] bfloat16 ones beside them, the probabilities multiplied into the head) and, for the
 // backward, one or two [B·T, d] float tensors (d rounded up to 64 on the tile units). Per row the softmaxes, the
@@ -27,8 +28,9 @@ enum class DistillationGradients { kBoth, kKlOnly };
 
 // The frozen LM head W [V, d] in the forms the loss multiplies it in, made once per head rather than per update
 // (a trainer keeps one): a bfloat16 head on an AMX CPU packed twice for the tile units, W for the logits h·Wᵀ and
-// Wᵀ for the products p·W into the head (2·V·d bfloat16 values); any other head as a float32 copy (none when it
-// is float32 already).
+// Wᵀ for the products p·W into the head (2·V·d bfloat16 values) — on a CPU with AVX512-BF16 but no AMX, the same
+// two packings for its dot-product kernel (ops/bf16_dot_panels.h); any other head as a float32 copy (none when it
+// is float32 already). "On the tiles" below means either bfloat16 panel engine.
 class DistillationHead {
  public:
   explicit DistillationHead(const at::Tensor& head);
@@ -47,6 +49,7 @@ class DistillationHead {
 
  private:
   at::Tensor weight_, float_, logit_panels_, mix_panels_;
+  bool amx_ = false;  // the panels are oneDNN's for the AMX tiles; else ops/bf16_dot_panels.h's
 };
 
 // student_hidden [B, T, d] (the final-norm output of the student; the only input that gets a gradient),
