@@ -7,7 +7,8 @@
 # same tokens, a check that both compute the same step. Beside them, the time of the matrix products each update
 # cannot avoid (bench_train_step's unavoidable_products_ms), which bounds the ratio any implementation can reach.
 # In float32, kvbound's update runs twice, with the float32 GEMM and with bf16x3 products (model.fp32_products:
-# three bfloat16 tile passes on AMX; PyTorch keeps its float32 GEMM), both against the same PyTorch run.
+# three bfloat16 tile passes on AMX; PyTorch keeps its float32 GEMM), both against the same PyTorch run; on a CPU
+# without AMX the bf16x3 run is skipped.
 # Usage: scripts/bench_train_step.sh BUILD_DIR [THREADS] [STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
