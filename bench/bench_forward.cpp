@@ -1,7 +1,7 @@
 // Forward throughput of the C++ backbone: one prompt of T tokens through the full model (prefill),
 // repeated; prints tokens/s and the peak RSS right after loading, as one JSON line. Beside it, the time of the
-// model's matrix products alone (bench/matrix_products.h: every projection and the LM head): the floor no
-// forward on this GEMM can go under.
+// model's matrix products alone (bench/matrix_products.h: every projection and the LM head) on kvbound's GEMM, the
+// floor no forward on that GEMM can go under, and on ATen's (a PyTorch peer's), where the two differ.
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <ATen/ops/log_softmax.h>
@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <utility>
 
 #include "base/process_heap.h"
 #include "bench/best_time.h"
@@ -80,15 +81,21 @@ int main(int argc, char** argv) {
     top1 = ref.argmax(-1).eq(low.argmax(-1)).to(at::kDouble).mean().item<double>();
     max_logit_diff = (low_logits - ref_logits).abs().max().item<double>();
   }
-  const kvbound::bench::MatrixProducts products(model->config(), T, dtype);
-  const double products_s = products.layers_forward(repeats) + products.head_logits(repeats);
+  using kvbound::bench::MatrixProducts;
+  const auto products_seconds = [&](MatrixProducts::Gemm gemm) {
+    const MatrixProducts products(model->config(), T, dtype, gemm);
+    return std::make_pair(std::string(products.gemm_name()), products.layers_forward(repeats) + products.head_logits(repeats));
+  };
+  const auto [gemm, products_s] = products_seconds(MatrixProducts::Gemm::kBackbone);
+  const double aten_products_s = gemm == "aten" ? products_s : products_seconds(MatrixProducts::Gemm::kAten).second;
   std::printf(
       "{\"impl\": \"kvbound\", \"dtype\": \"%s\", \"products\": \"%s\", \"compared_to_float32\": %s, "
       "\"kl_to_float32\": %.3g, \"top1_vs_float32\": %.4f, \"max_logit_diff_to_float32\": %.3g, "
-      "\"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, \"matrix_products_alone_s\": %.4f, "
+      "\"T\": %ld, \"threads\": %d, \"best_s\": %.4f, \"tok_s\": %.1f, \"gemm\": \"%s\", \"matrix_products_alone_s\": %.4f, "
+      "\"aten_matrix_products_alone_s\": %.4f, "
       "\"peak_rss_after_load_bytes\": %ld, \"fp32_weight_bytes\": %ld}\n",
       dtype_name.c_str(), bf16x3 ? "bf16x3" : "float32", compared_to_float32 ? "true" : "false", kl, top1,
-      max_logit_diff, T, threads, best, T / best, products_s,
+      max_logit_diff, T, threads, best, T / best, gemm.c_str(), products_s, aten_products_s,
       rss_after_load, static_cast<long>(model->num_parameters() * 4));
   return 0;
 }

@@ -4,7 +4,8 @@
 // loss terms), backward, gradient clipping and AdamW on the trainable tensors — timed over STEPS updates after
 // two warm-up updates, the clock read after a device barrier on CUDA. Any train key can be set as in
 // `kvbound train` (e.g. trimkv.gate_hidden=512). For trimkv and indexmem it also times, alone, the matrix
-// products their update cannot avoid (bench/matrix_products.h): the floor under any update on the same GEMM.
+// products their update cannot avoid (bench/matrix_products.h): the floor under any update on the same GEMM, on
+// kvbound's GEMM and on ATen's (a PyTorch peer's) where the two differ.
 // Prints one JSON line.
 // Usage: bench_train_step MODEL METHOD SEQ_LEN BATCH [steps=5] [device=cpu] [dtype=float32] [key=value ...]
 #include <ATen/ops/full_like.h>
@@ -37,10 +38,10 @@ namespace {
 // teacher's forward through every layer (the indexer's own products are d_index wide, left out; no logits).
 std::optional<double> unavoidable_products_seconds(const std::string& method, const kvbound::Config& config,
                                                    const kvbound::Backbone& model, std::int64_t rows,
-                                                   at::ScalarType dtype) {
+                                                   at::ScalarType dtype, kvbound::bench::MatrixProducts::Gemm gemm) {
   if (method != "trimkv" && method != "indexmem") return std::nullopt;
   if (!model.device().is_cpu()) return std::nullopt;  // timed without a device barrier: CPU only
-  const kvbound::bench::MatrixProducts products(model.config(), rows, dtype);
+  const kvbound::bench::MatrixProducts products(model.config(), rows, dtype, gemm);
   const int repeats = 3;
   if (method == "indexmem") return products.layers_forward(repeats);
   const int head_products = config.get_float("trimkv.w_ntp") != 0 ? 2 : 1;
@@ -102,15 +103,23 @@ int main(int argc, char** argv) try {
   const auto t0 = now();
   for (int i = 0; i < steps; ++i) update();
   const double seconds = std::chrono::duration<double>(now() - t0).count() / steps;
+  using kvbound::bench::MatrixProducts;
+  const MatrixProducts::Gemm backbone_gemm = MatrixProducts::Gemm::kBackbone;
+  const std::string gemm = MatrixProducts::gemm_name(model->dtype(), backbone_gemm);
   const std::optional<double> floor =
-      unavoidable_products_seconds(method_name, config, *model, B * T, model->dtype());
-  const std::string floor_ms = floor ? std::to_string(*floor * 1e3) : "null";
+      unavoidable_products_seconds(method_name, config, *model, B * T, model->dtype(), backbone_gemm);
+  const std::optional<double> aten_floor =
+      gemm == "aten" ? floor
+                     : unavoidable_products_seconds(method_name, config, *model, B * T, model->dtype(),
+                                                    MatrixProducts::Gemm::kAten);
+  const auto milliseconds = [](const std::optional<double>& s) { return s ? std::to_string(*s * 1e3) : std::string("null"); };
   const bool bf16x3 = model->float32_products() == kvbound::Backbone::Float32Products::kBf16x3;
   std::printf("{\"impl\": \"kvbound\", \"method\": \"%s\", \"T\": %ld, \"B\": %ld, \"device\": \"%s\", \"dtype\": \"%s\", "
               "\"fp32_products\": \"%s\", \"ms_per_update\": %.1f, \"tok_s\": %.1f, \"loss\": %.4f, "
-              "\"unavoidable_products_ms\": %s}\n",
+              "\"gemm\": \"%s\", \"unavoidable_products_ms\": %s, \"aten_unavoidable_products_ms\": %s}\n",
               method_name.c_str(), static_cast<long>(T), static_cast<long>(B), device.str().c_str(), dtype_name.c_str(),
-              bf16x3 ? "bf16x3" : "float32", seconds * 1e3, static_cast<double>(B * T) / seconds, loss, floor_ms.c_str());
+              bf16x3 ? "bf16x3" : "float32", seconds * 1e3, static_cast<double>(B * T) / seconds, loss, gemm.c_str(), milliseconds(floor).c_str(),
+              milliseconds(aten_floor).c_str());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "bench_train_step: " << e.what() << "\n";

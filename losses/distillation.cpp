@@ -16,6 +16,7 @@
 #include "ops/amx_panels.h"
 #include "ops/bf16_dot_panels.h"
 #include "ops/distillation_rows.h"
+#include "ops/onednn_linear.h"
 
 namespace kvbound::losses {
 namespace {
@@ -97,8 +98,10 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
     const at::Tensor kl_grad = gradient_follows ? at::empty({N, grad_columns}, f32) : at::Tensor();
     const at::Tensor ce_grad = gradient_follows && ce_gradient ? at::empty({N, grad_columns}, f32) : at::Tensor();
     const int64_t buffer_rows = std::min(block_rows, N);
-    const at::Tensor student_buffer = at::empty({buffer_rows, head->logit_columns(tiles)}, f32);
-    const at::Tensor teacher_buffer = at::empty({buffer_rows, head->logit_columns(tiles)}, f32);
+    // oneDNN writes no given buffer (DistillationHead::logits): each block's logits are new tensors there.
+    const bool buffered = tiles || !ops::onednn::float32_preferred();
+    const at::Tensor student_buffer = buffered ? at::empty({buffer_rows, head->logit_columns(tiles)}, f32) : at::Tensor();
+    const at::Tensor teacher_buffer = buffered ? at::empty({buffer_rows, head->logit_columns(tiles)}, f32) : at::Tensor();
     // bfloat16 probability rows for the tiles: V rounded up to an even K (the pairs of oneDNN's layout), the
     // padding columns zero for good.
     at::Tensor diff_bf16, ce_bf16;
@@ -108,10 +111,8 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
     }
     for (int64_t r0 = 0; r0 < N; r0 += block_rows) {
       const int64_t n = std::min(block_rows, N - r0);
-      const at::Tensor z_t = teacher_buffer.narrow(0, 0, n).narrow(1, 0, V);
-      const at::Tensor z_s = student_buffer.narrow(0, 0, n).narrow(1, 0, V);
-      head->logits_into(teacher_buffer, in.teacher.narrow(0, r0, n), head_float, tiles);
-      head->logits_into(student_buffer, in.student.narrow(0, r0, n), head_float, tiles);
+      const at::Tensor z_t = head->logits(teacher_buffer, in.teacher.narrow(0, r0, n), head_float, tiles).narrow(1, 0, V);
+      const at::Tensor z_s = head->logits(student_buffer, in.student.narrow(0, r0, n), head_float, tiles).narrow(1, 0, V);
       const at::Tensor block_targets = in.targets.narrow(0, r0, n);
       const at::Tensor target_logit = z_s.gather(1, block_targets.unsqueeze(1)).squeeze(1);
       ops::GradientRows rows;
@@ -131,12 +132,8 @@ class DistillationFunction : public torch::autograd::Function<DistillationFuncti
         if (ce_gradient) head->mix_into(ce_grad.narrow(0, r0, n), ce_bf16.narrow(0, 0, n));
         continue;
       }
-      at::Tensor g = kl_grad.narrow(0, r0, n);
-      at::mm_out(g, rows.difference, head_float);
-      if (ce_gradient) {
-        at::Tensor c = ce_grad.narrow(0, r0, n);
-        at::mm_out(c, rows.student_minus_target, head_float);
-      }
+      head->mix_float_into(kl_grad.narrow(0, r0, n), rows.difference, head_float);
+      if (ce_gradient) head->mix_float_into(ce_grad.narrow(0, r0, n), rows.student_minus_target, head_float);
     }
     if (gradient_follows) {
       ctx->saved_data["ce_gradient"] = ce_gradient;
@@ -200,23 +197,35 @@ int64_t DistillationHead::logit_columns(bool tiles) const {
 
 int64_t DistillationHead::mix_depth() const { return round_up(weight_.size(0), 2); }
 
-void DistillationHead::logits_into(const at::Tensor& buffer, const at::Tensor& hidden_rows,
+at::Tensor DistillationHead::logits(const at::Tensor& buffer, const at::Tensor& hidden_rows,
                                    const at::Tensor& head_float, bool tiles) const {
   const int64_t n = hidden_rows.size(0), d = hidden_rows.size(1);
+  if (!tiles && ops::onednn::float32_preferred()) return ops::onednn::linear(hidden_rows.to(at::kFloat), head_float);
+  at::Tensor out = buffer.narrow(0, 0, n);
   if (!tiles) {
-    at::Tensor out = buffer.narrow(0, 0, n);
     at::mm_out(out, hidden_rows.to(at::kFloat), head_float.t());
-    return;
+    return out;
   }
   const at::Tensor a = hidden_rows.contiguous();
   const auto* a_bits = static_cast<const uint16_t*>(a.const_data_ptr());
   const auto* panels = static_cast<const uint16_t*>(logit_panels_.const_data_ptr());
-  float* out = buffer.mutable_data_ptr<float>();
+  float* c = buffer.mutable_data_ptr<float>();
   at::parallel_for(0, buffer.size(1) / ops::amx::kPanel, 8, [&](int64_t first, int64_t last) {
-    if (!amx_) return ops::bf16_dot::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
-    ops::amx::multiply_panels(a_bits, n, d, d, panels, first, last, out, buffer.size(1));
+    if (!amx_) return ops::bf16_dot::multiply_panels(a_bits, n, d, d, panels, first, last, c, buffer.size(1));
+    ops::amx::multiply_panels(a_bits, n, d, d, panels, first, last, c, buffer.size(1));
     ops::amx::release();
   });
+  return out;
+}
+
+void DistillationHead::mix_float_into(const at::Tensor& out, const at::Tensor& probabilities,
+                                      const at::Tensor& head_float) const {
+  if (ops::onednn::float32_preferred()) {
+    out.copy_(ops::onednn::mm(probabilities, head_float));  // [n, d]: d / V of the logits' bytes
+    return;
+  }
+  at::Tensor o = out;
+  at::mm_out(o, probabilities, head_float);
 }
 
 void DistillationHead::mix_into(const at::Tensor& out, const at::Tensor& probabilities) const {

@@ -6,7 +6,7 @@
 //
 // Memory-bounded: logits exist for block_rows positions at a time (float32; with bfloat16 hidden states and head
 // on an AMX CPU their products run on the tile units, ops/amx_panels.h, on an AVX512-BF16 one through
-// ops/bf16_dot_panels.h), in the forward only, so no
+// ops/bf16_dot_panels.h; float32 ones on oneDNN where ops/onednn_linear.h prefers it), in the forward only, so no
 // [B·T, V] tensor is ever allocated; peak extra memory is two [block_rows, V] float buffers (on the tile units
 // one or two [block_rows, V] bfloat16 ones beside them, the probabilities multiplied into the head) and, for the
 // backward, one or two [B·T, d] float tensors (d rounded up to 64 on the tile units). Per row the softmaxes, the
@@ -41,11 +41,15 @@ class DistillationHead {
   at::Tensor float_weight() const;
   int64_t logit_columns(bool tiles) const;  // V, or V rounded up to whole panels of 64 on the tiles
   int64_t mix_depth() const;                // V rounded up to even: the K of p·W on the tiles
-  // buffer[:n, :logit_columns] = hidden_rows·Wᵀ (float32); head_float is float_weight() off the tiles.
-  void logits_into(const at::Tensor& buffer, const at::Tensor& hidden_rows, const at::Tensor& head_float,
-                   bool tiles) const;
+  // hidden_rows·Wᵀ as float32 [n, logit_columns]: buffer[:n], or a new tensor where oneDNN forms the float32
+  // product (ops/onednn_linear.h; it writes no given buffer, which may be undefined there). head_float is
+  // float_weight() off the tiles.
+  at::Tensor logits(const at::Tensor& buffer, const at::Tensor& hidden_rows, const at::Tensor& head_float,
+                    bool tiles) const;
   // out [n, d rounded up to 64] float32 = probabilities [n, mix_depth()] bfloat16 · W, on the tiles.
   void mix_into(const at::Tensor& out, const at::Tensor& probabilities) const;
+  // out [n, d] = probabilities [n, V] float32 · head_float, off the tiles.
+  void mix_float_into(const at::Tensor& out, const at::Tensor& probabilities, const at::Tensor& head_float) const;
 
  private:
   at::Tensor weight_, float_, logit_panels_, mix_panels_;

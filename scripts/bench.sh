@@ -2,7 +2,8 @@
 # Forward tokens/s of the C++ backbone vs transformers on the default model (T=512, same threads, both computing
 # in DTYPE: float32, or bfloat16 with kvbound's error against its own float32 on the same tokens), and peak RSS
 # after loading vs the fp32 weight bytes; and the time of the model's matrix products alone, which bounds the ratio
-# any forward built on the same GEMM can reach. PRODUCTS bf16x3 forms kvbound's float32 products as three
+# any forward built on the same GEMM can reach (kvbound's GEMM: float32 on oneDNN where ops/onednn_linear.h
+# prefers it, and then ATen's at::linear, transformers' GEMM, beside it). PRODUCTS bf16x3 forms kvbound's float32 products as three
 # bfloat16 tile passes (model.fp32_products; transformers keeps its float32 GEMM) and prints their error against
 # kvbound's float32 GEMM on the same tokens. Usage: scripts/bench.sh BUILD_DIR [THREADS] [DTYPE] [PRODUCTS]
 set -euo pipefail
@@ -22,10 +23,13 @@ c, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 print(f"forward T={c['T']} threads={c['threads']} {h['dtype']} (kvbound's products: {c['products']}): kvbound {c['tok_s']:.0f} tok/s, transformers "
       f"{h['tok_s']:.0f} tok/s, ratio {c['tok_s'] / h['tok_s']:.2f}x")
 hf_s = c["T"] / h["tok_s"]
-print(f"the model's matrix products alone (at::linear, same shapes, dtype and threads): "
+print(f"the model's matrix products alone (same shapes, dtype and threads) on kvbound's GEMM ({c['gemm']}): "
       f"{c['matrix_products_alone_s']:.3f} s = {c['matrix_products_alone_s'] / c['best_s']:.0%} of kvbound's forward; "
       f"a forward on this GEMM can be at most {hf_s / c['matrix_products_alone_s']:.2f}x transformers"
       + (" (bf16x3 products do not use this GEMM)" if c["products"] == "bf16x3" else ""))
+if c["gemm"] != "aten":
+    print(f"  the same products on ATen's GEMM (at::linear, transformers'): {c['aten_matrix_products_alone_s']:.3f} s = "
+          f"{c['aten_matrix_products_alone_s'] / c['matrix_products_alone_s']:.2f}x kvbound's")
 if c["compared_to_float32"]:
     print(f"{c['dtype']} with {c['products']} products vs float32 (kvbound, same tokens): mean KL {c['kl_to_float32']:.3g}, "
           f"top-1 agreement {c['top1_vs_float32']:.4f}, largest logit difference {c['max_logit_diff_to_float32']:.3g}")

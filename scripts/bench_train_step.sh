@@ -45,9 +45,11 @@ print(f"{p['method']} update T={p['T']} B={p['B']} threads={p['threads']} {p['dt
       f"{k['ms_per_update']:.0f} ms (loss {k['loss']:.4f}), pytorch {p['ms_per_update']:.0f} ms "
       f"(loss {p['loss']:.4f}), ratio {p['ms_per_update'] / k['ms_per_update']:.2f}x")
 if k.get("unavoidable_products_ms") is not None and k["fp32_products"] == "float32":
-    print(f"  the update's unavoidable matrix products alone: {k['unavoidable_products_ms']:.0f} ms = "
-          f"{k['unavoidable_products_ms'] / k['ms_per_update']:.0%} of kvbound's update; an update on this GEMM can be "
-          f"at most {p['ms_per_update'] / k['unavoidable_products_ms']:.2f}x pytorch")
+    print(f"  the update's unavoidable matrix products alone on kvbound's GEMM ({k['gemm']}): "
+          f"{k['unavoidable_products_ms']:.0f} ms = {k['unavoidable_products_ms'] / k['ms_per_update']:.0%} of kvbound's "
+          f"update; an update on this GEMM can be at most {p['ms_per_update'] / k['unavoidable_products_ms']:.2f}x pytorch")
+    if k["gemm"] != "aten":
+        print(f"  the same products on ATen's GEMM (pytorch's): {k['aten_unavoidable_products_ms']:.0f} ms")
 PY
   done
 done

@@ -6,23 +6,33 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace kvbound::test {
 
-// Wraps the CPU allocator and tracks the bytes alive through it and their peak, from every thread.
+// Wraps the CPU allocator and tracks the bytes alive through it and their peak, from every thread. Each block's
+// context is its data pointer, as raw_allocate requires (oneDNN's scratch memory comes that way), so the sizes are
+// looked up by pointer. One instance at a time (CountCpuAllocations keeps a static one).
 class CountingCpuAllocator final : public c10::Allocator {
  public:
-  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) {}
+  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner) { instance_ = this; }
 
   c10::DataPtr allocate(size_t bytes) override {
     c10::DataPtr block = inner_->allocate(bytes);
     void* data = block.get();
     const c10::Device device = block.device();
+    if (data == nullptr) return block;  // an empty block: nothing to count
     const int64_t live = live_ += static_cast<int64_t>(bytes);
     for (int64_t peak = peak_; live > peak && !peak_.compare_exchange_weak(peak, live);) {
     }
-    return {data, new Allocation{std::move(block), bytes, this}, &release, device};
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      blocks_.emplace(data, Block{std::move(block), bytes});
+    }
+    return {data, data, &release, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
@@ -31,18 +41,27 @@ class CountingCpuAllocator final : public c10::Allocator {
   void reset_peak() { peak_ = baseline_ = live_.load(); }
 
  private:
-  struct Allocation {
-    c10::DataPtr block;
+  struct Block {
+    c10::DataPtr inner;
     size_t bytes;
-    CountingCpuAllocator* owner;
   };
-  static void release(void* ctx) {
-    auto* allocation = static_cast<Allocation*>(ctx);
-    allocation->owner->live_ -= static_cast<int64_t>(allocation->bytes);
-    delete allocation;
-  }
+  static void release(void* data) {
+    CountingCpuAllocator* self = instance_;
+    Block block;
+    {
+      const std::lock_guard<std::mutex> lock(self->mutex_);
+      auto it = self->blocks_.find(data);
+      if (it == self->blocks_.end()) return;
+      block = std::move(it->second);
+      self->blocks_.erase(it);
+    }
+    self->live_ -= static_cast<int64_t>(block.bytes);
+  }  // block.inner frees through the wrapped allocator here
 
+  static inline CountingCpuAllocator* instance_ = nullptr;
   c10::Allocator* inner_;
+  std::mutex mutex_;
+  std::unordered_map<void*, Block> blocks_;
   std::atomic<int64_t> live_{0}, peak_{0};
   int64_t baseline_ = 0;
 };
