@@ -72,6 +72,8 @@ void check_operands(const at::Tensor& x, const at::Tensor& weight, const char* w
 
 }  // namespace
 
+bool available() { return linear_pointwise().has_value(); }
+
 bool float32_preferred() {
   static const bool preferred = !intel_cpu() && __builtin_cpu_supports("avx512f") && linear_pointwise().has_value();
   return preferred;

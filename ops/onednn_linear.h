@@ -9,6 +9,9 @@
 
 namespace kvbound::ops::onednn {
 
+// Whether this LibTorch has oneDNN's linear (any CPU can run it; float32_preferred says where it is faster).
+bool available();
+
 // Whether float32 products take oneDNN here: an x86 CPU not made by Intel, with AVX-512, and a LibTorch built
 // with oneDNN. On Intel CPUs MKL's sgemm is AVX-512 already and keeps the products (measured there).
 bool float32_preferred();
