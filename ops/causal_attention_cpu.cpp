@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops/prefill_attention_operands.h"
 #include "ops/amx_panels.h"
 #include "ops/bf16x3_linear.h"
 #include "ops/cpu_vector.h"
@@ -233,18 +234,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 }  // namespace
 
 bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
-  const at::ScalarType dtype = q.scalar_type();
-  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || (dtype != at::kBFloat16 && dtype != at::kFloat) ||
-      keys.scalar_type() != dtype || values.scalar_type() != dtype || q.dim() != 4 || keys.dim() != 4 ||
-      values.sizes() != keys.sizes())
-    return false;
-  const int64_t D = q.size(3), T = q.size(2), N = keys.size(2), Hkv = keys.size(1);
-  if ((D != 64 && D != 128) || keys.size(3) != D || keys.size(0) != q.size(0) || Hkv < 1 || q.size(1) % Hkv != 0 ||
-      T < 1 || N < T || N > kMaxKeys)
-    return false;
-  if (q.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1) return false;
-  if (at::GradMode::is_enabled() && (q.requires_grad() || keys.requires_grad() || values.requires_grad())) return false;
-  return amx::bf16_available();
+  const int64_t D = q.dim() == 4 ? q.size(3) : 0;
+  return (D == 64 || D == 128) && prefill_attention_operands(q, keys, values, kMaxKeys) && amx::bf16_available();
 }
 
 bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "ops/prefill_attention_operands.h"
 #include "ops/cpu_vector.h"
 
 // The Fortran BLAS sgemm that libtorch_cpu exports (MKL's in the torch wheel, 32-bit integers: LP64). ATen's
@@ -162,17 +163,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 }  // namespace
 
 bool causal_attention_float32_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
-  const at::ScalarType dtype = q.scalar_type();
-  if (!q.is_cpu() || !keys.is_cpu() || !values.is_cpu() || (dtype != at::kFloat && dtype != at::kBFloat16) ||
-      keys.scalar_type() != dtype || values.scalar_type() != dtype || q.dim() != 4 || keys.dim() != 4 ||
-      values.sizes() != keys.sizes())
-    return false;
-  const int64_t D = q.size(3), T = q.size(2), N = keys.size(2), Hkv = keys.size(1);
-  if (D < 1 || D > kMaxHeadDim || keys.size(3) != D || keys.size(0) != q.size(0) || Hkv < 1 || q.size(1) % Hkv != 0 ||
-      T < 1 || N < T || N > kMaxKeys)
-    return false;
-  if (q.stride(3) != 1 || keys.stride(3) != 1 || values.stride(3) != 1) return false;
-  return !(at::GradMode::is_enabled() && (q.requires_grad() || keys.requires_grad() || values.requires_grad()));
+  const int64_t D = q.dim() == 4 ? q.size(3) : 0;
+  return D >= 1 && D <= kMaxHeadDim && prefill_attention_operands(q, keys, values, kMaxKeys);
 }
 
 bool causal_attention_float32_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
