@@ -275,13 +275,18 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   cache.append(call.layer, call.k, call.v, call.positions);
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
-  // A bfloat16 prefill chunk on an AMX CPU, or a float32 one of a bf16x3 backbone (ops/causal_attention_cpu.h); a
-  // float32 one of a float32 backbone, or a bfloat16 one on a CPU without AMX, whose SDPA kernel forms its bfloat16
-  // products as float32 GEMMs through per-block conversions (ops/causal_attention_float32.h): the logsumexp comes
-  // with either.
-  const bool on_tiles = call.bf16x3 || (call.q.scalar_type() != at::kFloat && ops::amx::bf16_available());
-  const auto kernel = on_tiles ? (ops::causal_attention_cpu_fits(call.q, keys, values) ? &ops::causal_attention_cpu : nullptr)
-                               : (ops::causal_attention_float32_fits(call.q, keys, values) ? &ops::causal_attention_float32 : nullptr);
+  // A bfloat16 prefill chunk on an AMX CPU or one with AVX512-BF16, or a float32 one of a bf16x3 backbone
+  // (ops/causal_attention_cpu.h); a float32 one of a float32 backbone, or a bfloat16 one too short for that kernel
+  // on a CPU without AMX, whose SDPA kernel forms its bfloat16 products as float32 GEMMs through per-block
+  // conversions (ops/causal_attention_float32.h): the logsumexp comes with either.
+  const bool bf16 = call.q.scalar_type() != at::kFloat;
+  using Kernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor*);
+  Kernel kernel = nullptr;
+  if ((call.bf16x3 || bf16) && ops::causal_attention_cpu_fits(call.q, keys, values))
+    kernel = &ops::causal_attention_cpu;
+  else if (!call.bf16x3 && !(bf16 && ops::amx::bf16_available()) &&
+           ops::causal_attention_float32_fits(call.q, keys, values))
+    kernel = &ops::causal_attention_float32;
   if (kernel) {
     at::Tensor lse;
     call.output = kernel(call.q, keys, values, call.wants_logsumexp ? &lse : nullptr);

@@ -1,6 +1,6 @@
 #include "ops/bf16_dot_panels.h"
 
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -67,23 +67,28 @@ bool available() {
 #endif
 }
 
-at::Tensor pack_transposed_panels(const at::Tensor& rows) {
-  TORCH_CHECK(rows.dim() == 2 && rows.is_cpu() && rows.scalar_type() == at::kBFloat16 && rows.stride(1) == 1 &&
-                  rows.size(1) % 2 == 0,
-              "bf16_dot::pack_transposed_panels: expected CPU bfloat16 [N, D] with unit stride along D, D even; got ",
-              rows.sizes(), " ", rows.scalar_type());
-  const int64_t N = rows.size(0), D = rows.size(1), panels = (N + kPanel - 1) / kPanel, pairs = D / 2;
-  const at::Tensor packed = at::zeros({panels * pairs * kPairValues}, rows.options());
-  const auto* in = static_cast<const uint16_t*>(rows.const_data_ptr());
-  auto* out = static_cast<uint16_t*>(packed.mutable_data_ptr());
+void pack_transposed_panels(const uint16_t* rows, int64_t ld, int64_t N, int64_t D, uint16_t* packed) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = D / 2;
+  std::fill_n(packed, panels * pairs * kPairValues, uint16_t{0});
   for (int64_t n = 0; n < N; ++n) {
-    uint16_t* panel = out + (n / kPanel) * pairs * kPairValues + (n % kPanel) * 2;
-    const uint16_t* row = in + n * rows.stride(0);
+    uint16_t* panel = packed + (n / kPanel) * pairs * kPairValues + (n % kPanel) * 2;
+    const uint16_t* row = rows + n * ld;
     for (int64_t p = 0; p < pairs; ++p) {
       panel[p * kPairValues] = row[2 * p];
       panel[p * kPairValues + 1] = row[2 * p + 1];
     }
   }
+}
+
+at::Tensor pack_transposed_panels(const at::Tensor& rows) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_cpu() && rows.scalar_type() == at::kBFloat16 && rows.stride(1) == 1 &&
+                  rows.size(1) % 2 == 0,
+              "bf16_dot::pack_transposed_panels: expected CPU bfloat16 [N, D] with unit stride along D, D even; got ",
+              rows.sizes(), " ", rows.scalar_type());
+  const int64_t N = rows.size(0), D = rows.size(1), panels = (N + kPanel - 1) / kPanel;
+  const at::Tensor packed = at::empty({panels * (D / 2) * kPairValues}, rows.options());
+  pack_transposed_panels(static_cast<const uint16_t*>(rows.const_data_ptr()), rows.stride(0), N, D,
+                         static_cast<uint16_t*>(packed.mutable_data_ptr()));
   return packed;
 }
 

@@ -17,6 +17,10 @@ constexpr int64_t kPanel = 64;
 // Whether this CPU executes VDPBF16PS (and this build compiled the kernel).
 bool available();
 
+// rows [N, D] bfloat16 bits (row stride ld, D even) → ceil(N / 64) panels of [D / 2][64][2] (the layout below),
+// rows past N zero, into `packed` (ceil(N / 64)·64·D values).
+void pack_transposed_panels(const uint16_t* rows, int64_t ld, int64_t N, int64_t D, uint16_t* packed);
+
 // rows [N, D] bfloat16 (CPU, unit stride along D, D even) → ceil(N / 64) panels, panel j holding rows 64·j … 64·j + 63
 // as [D / 2][64][2] (row n's pair 2p, 2p + 1 at [p][n − 64·j]), rows past N zero: a new bfloat16 tensor.
 at::Tensor pack_transposed_panels(const at::Tensor& rows);

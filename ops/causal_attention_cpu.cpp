@@ -14,6 +14,7 @@
 
 #include "ops/prefill_attention_operands.h"
 #include "ops/amx_panels.h"
+#include "ops/bf16_dot_panels.h"
 #include "ops/bf16x3_linear.h"
 #include "ops/cpu_vector.h"
 
@@ -27,6 +28,8 @@ using Bits = uint16_t;  // bfloat16 as its bits; the cpublas calls take at::BFlo
 constexpr int64_t kBlock = amx::kPanel;
 // Below these query counts SDPA's kernel was as fast or faster (bench_cpu_attention, bfloat16 and float32).
 constexpr int64_t kMinQueriesBf16 = 192;
+// VDPBF16PS (no AMX) was the faster at every chunk measured, a single query included (see the header).
+constexpr int64_t kMinQueriesBf16Dot = 1;
 constexpr int64_t kMinQueriesFloat32 = 128;
 constexpr int64_t kMaxKeys = 4096;
 // Score rows per task (a GQA group's heads × a block of queries): up to 256, so a task's scores stay ~4 MiB at
@@ -104,6 +107,21 @@ KVBOUND_VECTOR_CLONES void write_row(const float* o, float inv_sum, int64_t D, f
   for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inv_sum;
 }
 
+// One head's values [N, D] as Vᵀ for VDPBF16PS (ops/bf16_dot_panels.h), per 64 columns of D a panel of depth
+// `padded` keys ([padded / 2][64][2]: a pair of keys per dot), keys past N zero: any prefix of whole 64-key blocks
+// is then the depth of a product over those keys.
+void pack_values_transposed(const Bits* values, int64_t ld, int64_t N, int64_t D, int64_t padded, Bits* packed) {
+  std::fill_n(packed, padded * D, Bits{0});
+  for (int64_t c = 0; c < D; c += kBlock) {
+    Bits* panel = packed + (c / kBlock) * padded * kBlock;
+    for (int64_t key = 0; key < N; ++key) {
+      Bits* pair = panel + (key / 2) * 2 * kBlock + key % 2;
+      const Bits* row = values + key * ld + c;
+      for (int64_t n = 0; n < kBlock; ++n) pair[2 * n] = row[n];
+    }
+  }
+}
+
 // A matrix in bfloat16 tile operands: `hi` alone for bfloat16 inputs (one pass per product), hi and lo for float32
 // ones (bf16x3: the products hi·hi + lo·hi + hi·lo, ops/bf16x3_linear.h).
 struct Split {
@@ -131,6 +149,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   // Queries per task: 64, fewer for large groups (G·queries ≤ 256 score rows); 1 for a group of more than 256.
   const int64_t queries = std::max<int64_t>(1, std::min<int64_t>(kBlock, kMaxRows / G));
   const int64_t parts = kSplit ? 2 : 1;  // tile operands per matrix: hi (and lo)
+  // The products' engine: AMX tiles where this CPU has them, else (bfloat16 alone) VDPBF16PS, whose packings of
+  // Kᵀ and V differ from oneDNN's.
+  const bool tiles = amx::bf16_available();
 
   // K and V packed once per (row, KV head): every query head of the group and every query block reads them.
   const auto bits = q.options().dtype(at::kBFloat16);
@@ -160,9 +181,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         to_operands(v_head, values.stride(2), N, D, Split{hi.data(), lo.data()});
         pack_values(hi.data(), D, N, D, v_out.hi, scratch);
         pack_values(lo.data(), D, N, D, v_out.lo, scratch);
-      } else {
+      } else if (tiles) {
         amx::pack_transposed_panels(k_head, keys.stride(2), N, D, k_out.hi);
         pack_values(v_head, values.stride(2), N, D, v_out.hi, scratch);
+      } else {
+        bf16_dot::pack_transposed_panels(k_head, keys.stride(2), N, D, k_out.hi);
+        pack_values_transposed(v_head, values.stride(2), N, D, padded, v_out.hi);
       }
     }
   });
@@ -195,7 +219,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
       const int64_t blocks = (cached + s0 + qn + kBlock - 1) / kBlock, width = blocks * kBlock;
       const Split k_in = packed(pk, bh), v_in = packed(pv, bh);
       // Per panel of keys, the large term first, then bf16x3's two corrections into the same float32 scores.
-      for (int64_t j = 0; j < blocks; ++j) {
+      if (!tiles) bf16_dot::multiply_panels(q_split.hi, rows, D, D, k_in.hi, 0, blocks, scores.get(), kScoreStride);
+      for (int64_t j = 0; tiles && j < blocks; ++j) {
         amx::multiply_panels(q_split.hi, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride);
         if (kSplit) {
           amx::multiply_panels(q_split.lo, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride, true);
@@ -207,7 +232,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         softmax_row<kSplit>(scores.get() + r * kScoreStride, w.hi + r * width, kSplit ? w.lo + r * width : nullptr,
                             cached + s0 + r % qn + 1, width, scale, row_max[static_cast<size_t>(r)],
                             row_sum[static_cast<size_t>(r)]);
-      for (int64_t c = 0; c < D; c += kBlock) {
+      for (int64_t c = 0; !tiles && c < D; c += kBlock)
+        bf16_dot::multiply_panels(w.hi, rows, width, width, v_in.hi + (c / kBlock) * padded * kBlock, 0, 1,
+                                  acc.get() + c, D);
+      for (int64_t c = 0; tiles && c < D; c += kBlock) {
         const int64_t slice = (c / kBlock) * key_blocks * kBlock * kBlock;
         const auto product = [&](const Bits* a, const Bits* v, bool accumulate) {
           cpublas::brgemm(rows, kBlock, width, width, kBlock, D, accumulate, as_bf16(a), as_bf16(v + slice), acc.get() + c);
@@ -225,7 +253,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
           lse_data[(b * Hq + head) * T + t] = row_max[static_cast<size_t>(r)] + std::log(row_sum[static_cast<size_t>(r)]);
       }
     }
-    amx::release();
+    if (tiles) amx::release();
   });
   if (logsumexp) *logsumexp = lse;
   return out.transpose(1, 2);
@@ -235,12 +263,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
   const int64_t D = q.dim() == 4 ? q.size(3) : 0;
-  return (D == 64 || D == 128) && prefill_attention_operands(q, keys, values, kMaxKeys) && amx::bf16_available();
+  const bool engine = amx::bf16_available() || (q.scalar_type() == at::kBFloat16 && bf16_dot::available());
+  return (D == 64 || D == 128) && prefill_attention_operands(q, keys, values, kMaxKeys) && engine;
 }
 
 bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
   if (q.dim() != 4) return false;
-  const int64_t min_queries = q.scalar_type() == at::kFloat ? kMinQueriesFloat32 : kMinQueriesBf16;
+  const int64_t min_queries = q.scalar_type() == at::kFloat ? kMinQueriesFloat32
+                              : amx::bf16_available()        ? kMinQueriesBf16
+                                                             : kMinQueriesBf16Dot;
   return q.size(2) >= min_queries && causal_attention_cpu_supported(q, keys, values);
 }
 

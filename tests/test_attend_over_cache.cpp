@@ -19,6 +19,7 @@
 #include "modules/backbone.h"
 #include "modules/kv_cache.h"
 #include "ops/amx_panels.h"
+#include "ops/bf16_dot_panels.h"
 #include "ops/causal_attention_cpu.h"
 #include "ops/causal_attention_float32.h"
 #include "ops/cuda_module.h"
@@ -131,14 +132,14 @@ TEST(AttendOverCache, LogsumexpCarriesTheGradientOfInputsThatNeedOne) {
   }
 }
 
-// A bfloat16 prefill of ≥ 192 queries on an AMX CPU takes ops/causal_attention_cpu: a first chunk and one after
+// A bfloat16 prefill of ≥ 192 queries on an AMX CPU (any on one with AVX512-BF16) takes ops/causal_attention_cpu: a first chunk and one after
 // 192 cached entries, GQA, with and without the logsumexp — the output within the plain bfloat16 formula's
 // error of the float64 one (as SDPA's is), the logsumexp [B, Hq, T, 1] float32 of what each query saw.
 TEST(AttendOverCache, BFloat16PrefillChunksTakeTheAmxKernel) {
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   const at::Tensor probe = at::randn({1, 6, 192, 64}, bf16), probe_kv = at::randn({1, 2, 192, 64}, bf16);
   if (!ops::causal_attention_cpu_fits(probe, probe_kv, probe_kv))
-    GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the tiles never run here";
+    GTEST_SKIP() << "this CPU has neither AMX nor AVX512-BF16: the kernel never runs here";
   at::manual_seed(21);
   KVCache plain(1), asking(1);
   for (std::int64_t start = 0; start < 384; start += 192) {
@@ -251,11 +252,13 @@ TEST(AttendOverCache, Float32ChunksTakeTheSgemmKernelFrom96Queries) {
   }
 }
 
-// Without AMX a bfloat16 chunk of ≥ 96 queries takes ops/causal_attention_float32 too (SDPA's bfloat16 kernel there
-// converts every block for a float32 GEMM): its output and logsumexp bit for bit, within 2× the plain bfloat16
-// formula's error of the float64 one; a shorter chunk SDPA's output. A first chunk of 96 queries, one of 95 after it.
-TEST(AttendOverCache, BFloat16ChunksTakeTheSgemmKernelWithoutAmx) {
+// Without AMX a bfloat16 chunk takes ops/causal_attention_cpu on VDPBF16PS where the CPU has AVX512-BF16, whatever
+// its length; on a CPU without it, one of ≥ 96 queries takes ops/causal_attention_float32 (SDPA's bfloat16 kernel
+// there converts every block for a float32 GEMM) and a shorter one SDPA. The kernel's output and logsumexp bit for
+// bit, within 2× the plain bfloat16 formula's error of the float64 one. A first chunk of 96 queries, one of 95 after it.
+TEST(AttendOverCache, BFloat16ChunksWithoutAmxTakeVdpbf16psElseTheSgemmKernel) {
   if (ops::amx::bf16_available()) GTEST_SKIP() << "this CPU has AMX: its bfloat16 chunks take the tiles (tested above)";
+  const bool dot = ops::bf16_dot::available();
   at::manual_seed(24);
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   KVCache cache(1);
@@ -272,11 +275,12 @@ TEST(AttendOverCache, BFloat16ChunksTakeTheSgemmKernelWithoutAmx) {
     const at::Tensor keys = cache.keys(0).repeat_interleave(3, 1), values = cache.values(0).repeat_interleave(3, 1);
     const auto scores_at = [&](at::ScalarType precision) { return chunk_scores(call.q, keys, start, precision); };
     const at::Tensor sdpa = at::scaled_dot_product_attention(call.q, keys, values, scores_at(at::kFloat).isfinite());
-    if (T < 96) {
+    if (T < 96 && !dot) {
       EXPECT_TRUE(at::equal(call.output, sdpa)) << where;
     } else {
       at::Tensor lse;
-      EXPECT_TRUE(at::equal(call.output, ops::causal_attention_float32(call.q, cache.keys(0), cache.values(0), &lse))) << where;
+      const auto kernel = dot ? &ops::causal_attention_cpu : &ops::causal_attention_float32;
+      EXPECT_TRUE(at::equal(call.output, kernel(call.q, cache.keys(0), cache.values(0), &lse))) << where;
       EXPECT_TRUE(at::equal(call.logsumexp, lse.unsqueeze(-1))) << where;
       const at::Tensor exact = at::matmul(at::softmax(scores_at(at::kDouble), -1), values.to(at::kDouble));
       const at::Tensor plain_bf16 = at::matmul(at::softmax(scores_at(at::kBFloat16), -1), values);

@@ -2,8 +2,8 @@
 // bfloat16 formula's error against float64, in float32 (bf16x3) within a multiple of the plain float32 formula's,
 // output and row logsumexp, for first chunks and chunks after cached keys, GQA
 // groups of 1 to 8, head dims 64 and 128, query counts that leave a partial block, 4096 keys, strided keys and
-// values; and which inputs it takes, and which it is the faster kernel for. Skipped, saying so, on a CPU whose
-// oneDNN does not pack bfloat16 (no AMX). tests/test_attend_over_cache.cpp runs it through the backbone's path.
+// values; and which inputs it takes, and which it is the faster kernel for. bfloat16 runs on AMX tiles or, without
+// them, with VDPBF16PS; float32 (bf16x3) on AMX alone. Each test is skipped, saying so, on a CPU without its engine. tests/test_attend_over_cache.cpp runs it through the backbone's path.
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
@@ -59,15 +59,21 @@ Inputs random_inputs(const Shape& s, at::ScalarType dtype) {
           at::randn({s.B, s.Hkv, N, s.D}).to(dtype)};
 }
 
-bool amx_here() {
+// Whether this CPU runs the bfloat16 kernel (AMX tiles or VDPBF16PS), and the float32 one (AMX tiles alone).
+bool bf16_here() {
   const at::Tensor probe = at::randn({1, 1, 192, 64}).to(at::kBFloat16);
   return ops::causal_attention_cpu_supported(probe, probe, probe);
 }
+bool amx_here() {
+  const at::Tensor probe = at::randn({1, 1, 192, 64});
+  return ops::causal_attention_cpu_supported(probe, probe, probe);
+}
+constexpr const char* kNoBf16 = "this CPU has neither AMX nor AVX512-BF16: the bfloat16 kernel never runs here";
 
 }  // namespace
 
 TEST(CausalAttentionCpu, WithinThePlainBfloat16ErrorOfTheFormula) {
-  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
+  if (!bf16_here()) GTEST_SKIP() << kNoBf16;
   at::manual_seed(11);
   for (const Shape s : {Shape{2, 6, 2, 64, 0, 64}, Shape{2, 3, 3, 100, 37, 64}, Shape{2, 6, 2, 192, 0, 64},
                         Shape{1, 9, 3, 200, 0, 64}, Shape{2, 3, 3, 193, 37, 64}, Shape{1, 4, 1, 192, 200, 128},
@@ -122,7 +128,7 @@ TEST(CausalAttentionCpu, Float32WithinAMultipleOfThePlainFloat32Error) {
 // Strided keys and values (the cache's views of a larger buffer, and a [B, N, Hkv, D] layout seen as
 // [B, Hkv, N, D]) and queries from a transposed projection: the same result as contiguous copies.
 TEST(CausalAttentionCpu, ReadsStridedInputs) {
-  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): the fast path never runs here";
+  if (!bf16_here()) GTEST_SKIP() << kNoBf16;
   at::manual_seed(12);
   const at::Tensor q = at::randn({1, 200, 6, 64}).to(at::kBFloat16).transpose(1, 2);  // [1, 6, 200, 64]
   const at::Tensor buffer_k = at::randn({1, 2, 400, 64}).to(at::kBFloat16), buffer_v = at::randn({1, 2, 400, 64}).to(at::kBFloat16);
@@ -136,18 +142,21 @@ TEST(CausalAttentionCpu, ReadsStridedInputs) {
 }
 
 TEST(CausalAttentionCpu, TakesOnlyItsInputsAndRunsWhereItIsFaster) {
-  if (!amx_here()) GTEST_SKIP() << "this CPU's oneDNN does not pack bfloat16 (no AMX): nothing is supported here";
+  if (!bf16_here()) GTEST_SKIP() << kNoBf16;
+  const bool amx = amx_here();
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   const at::Tensor q = at::randn({1, 6, 192, 64}, bf16), kv = at::randn({1, 2, 200, 64}, bf16);
   EXPECT_TRUE(ops::causal_attention_cpu_supported(q, kv, kv));
   EXPECT_TRUE(ops::causal_attention_cpu_fits(q, kv, kv));
-  // A short chunk: the kernel takes it, but SDPA's was faster there.
+  // A short chunk: the kernel takes it; on AMX SDPA's was faster there, while VDPBF16PS was the faster even for
+  // one query.
   EXPECT_TRUE(ops::causal_attention_cpu_supported(q.narrow(2, 0, 64), kv, kv));
-  EXPECT_FALSE(ops::causal_attention_cpu_fits(q.narrow(2, 0, 64), kv, kv));
-  // float32 (bf16x3): from 128 queries, where SDPA's float32 kernel is already the slower.
+  EXPECT_EQ(ops::causal_attention_cpu_fits(q.narrow(2, 0, 64), kv, kv), !amx);
+  EXPECT_EQ(ops::causal_attention_cpu_fits(q.narrow(2, 0, 1), kv, kv), !amx);
+  // float32 (bf16x3) on AMX alone: from 128 queries, where SDPA's float32 kernel is already the slower.
   const at::Tensor q32 = q.to(at::kFloat), kv32 = kv.to(at::kFloat);
-  EXPECT_TRUE(ops::causal_attention_cpu_fits(q32.narrow(2, 0, 128), kv32, kv32));
-  EXPECT_TRUE(ops::causal_attention_cpu_supported(q32.narrow(2, 0, 127), kv32, kv32));
+  EXPECT_EQ(ops::causal_attention_cpu_fits(q32.narrow(2, 0, 128), kv32, kv32), amx);
+  EXPECT_EQ(ops::causal_attention_cpu_supported(q32.narrow(2, 0, 127), kv32, kv32), amx);
   EXPECT_FALSE(ops::causal_attention_cpu_fits(q32.narrow(2, 0, 127), kv32, kv32));
   const auto refused = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const char* why) {
     EXPECT_FALSE(ops::causal_attention_cpu_supported(q_, k_, v_)) << why;
