@@ -276,9 +276,10 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   const at::Tensor& keys = cache.keys(call.layer);
   const at::Tensor& values = cache.values(call.layer);
   // A bfloat16 prefill chunk on an AMX CPU or one with AVX512-BF16, or a float32 one of a bf16x3 backbone
-  // (ops/causal_attention_cpu.h); a float32 one of a float32 backbone, or a bfloat16 one too short for that kernel
-  // on a CPU without AMX, whose SDPA kernel forms its bfloat16 products as float32 GEMMs through per-block
-  // conversions (ops/causal_attention_float32.h): the logsumexp comes with either.
+  // (ops/causal_attention_cpu.h); a float32 one of a float32 backbone, or a bfloat16 one on a CPU with neither,
+  // whose SDPA kernel forms its bfloat16 products as float32 GEMMs through per-block conversions
+  // (ops/causal_attention_float32.h): the logsumexp comes with either. A bfloat16 chunk too short for the tiles
+  // on AMX stays with SDPA.
   const bool bf16 = call.q.scalar_type() != at::kFloat;
   using Kernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor*);
   Kernel kernel = nullptr;

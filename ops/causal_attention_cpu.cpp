@@ -218,13 +218,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
       // The block's last query sees cached + s0 + qn keys; earlier rows mask the rest of that width.
       const int64_t blocks = (cached + s0 + qn + kBlock - 1) / kBlock, width = blocks * kBlock;
       const Split k_in = packed(pk, bh), v_in = packed(pv, bh);
-      // Per panel of keys, the large term first, then bf16x3's two corrections into the same float32 scores.
-      if (!tiles) bf16_dot::multiply_panels(q_split.hi, rows, D, D, k_in.hi, 0, blocks, scores.get(), kScoreStride);
-      for (int64_t j = 0; tiles && j < blocks; ++j) {
-        amx::multiply_panels(q_split.hi, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride);
-        if (kSplit) {
-          amx::multiply_panels(q_split.lo, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride, true);
-          amx::multiply_panels(q_split.hi, rows, D, D, k_in.lo, j, j + 1, scores.get(), kScoreStride, true);
+      if (!tiles) {
+        bf16_dot::multiply_panels(q_split.hi, rows, D, D, k_in.hi, 0, blocks, scores.get(), kScoreStride);
+      } else {
+        // Per panel of keys, the large term first, then bf16x3's two corrections into the same float32 scores.
+        for (int64_t j = 0; j < blocks; ++j) {
+          amx::multiply_panels(q_split.hi, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride);
+          if (kSplit) {
+            amx::multiply_panels(q_split.lo, rows, D, D, k_in.hi, j, j + 1, scores.get(), kScoreStride, true);
+            amx::multiply_panels(q_split.hi, rows, D, D, k_in.lo, j, j + 1, scores.get(), kScoreStride, true);
+          }
         }
       }
       const Split w{weights.get(), kSplit ? weights.get() + rows * width : nullptr};
@@ -232,10 +235,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
         softmax_row<kSplit>(scores.get() + r * kScoreStride, w.hi + r * width, kSplit ? w.lo + r * width : nullptr,
                             cached + s0 + r % qn + 1, width, scale, row_max[static_cast<size_t>(r)],
                             row_sum[static_cast<size_t>(r)]);
-      for (int64_t c = 0; !tiles && c < D; c += kBlock)
-        bf16_dot::multiply_panels(w.hi, rows, width, width, v_in.hi + (c / kBlock) * padded * kBlock, 0, 1,
-                                  acc.get() + c, D);
-      for (int64_t c = 0; tiles && c < D; c += kBlock) {
+      for (int64_t c = 0; c < D; c += kBlock) {
+        if (!tiles) {  // Vᵀ's panel of these 64 columns, its first `width` keys
+          bf16_dot::multiply_panels(w.hi, rows, width, width, v_in.hi + (c / kBlock) * padded * kBlock, 0, 1,
+                                    acc.get() + c, D);
+          continue;
+        }
         const int64_t slice = (c / kBlock) * key_blocks * kBlock * kBlock;
         const auto product = [&](const Bits* a, const Bits* v, bool accumulate) {
           cpublas::brgemm(rows, kBlock, width, width, kBlock, D, accumulate, as_bf16(a), as_bf16(v + slice), acc.get() + c);

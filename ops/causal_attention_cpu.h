@@ -23,8 +23,8 @@ namespace kvbound::ops {
 // AVX512-BF16.
 bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values);
 
-// Whether it is also the faster kernel, hence the one the backbone takes: T ≥ 192 queries in bfloat16 on AMX, any T with VDPBF16PS, ≥ 128 in
-// float32. Measured on SmolLM2's heads (`bench_cpu_attention T CACHED THREADS`, SDPA's time over this kernel's),
+// Whether it is also the faster kernel, hence the one the backbone takes: T ≥ 192 queries in bfloat16 on AMX,
+// any T with VDPBF16PS, ≥ 128 in float32. Measured on SmolLM2's heads (`bench_cpu_attention T CACHED THREADS`, SDPA's time over this kernel's),
 // bfloat16: 0.72–0.94 at 64–128 queries, 1.07–1.10 at 192, 1.2–1.35 at 256–512 on a first chunk; 0.75 for 128
 // queries after 256 cached keys, where the softmax over the cache dominates both; 0.98–1.09 for 192–512 queries
 // after 3584–3904. float32 (2 threads): 0.52 / 0.75 at 32 / 64 queries, 1.36 at 128, 1.48–1.76 at 192–1024 on a

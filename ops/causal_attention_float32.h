@@ -1,7 +1,8 @@
 // Causal attention of a prefill chunk over the cache on the CPU, both products in float32 on the BLAS sgemm (MKL's
 // in the torch wheel), no AMX: the plain float32 model's kernel, and a bfloat16 model's on a CPU with neither AMX
-// nor AVX512-BF16 (ops/causal_attention_cpu takes bfloat16 on either) (bfloat16 q, K and V widened once, the output rounded once: SDPA's bfloat16 kernel there hands MKL's
-// bfloat16 GEMM small blocks, which it converts and multiplies as float32 anyway). SDPA's CPU flash kernel at a
+// nor AVX512-BF16 (ops/causal_attention_cpu takes bfloat16 on either): bfloat16 q, K and V widened once, the
+// output rounded once, since SDPA's bfloat16 kernel there hands MKL's bfloat16 GEMM small blocks, which it
+// converts and multiplies as float32 anyway. SDPA's CPU flash kernel at a
 // 512-token chunk splits the keys in blocks of 512, so every query block
 // multiplies against every key of the chunk and masks half of them away, and reads K and V again for each query
 // head of a GQA group. Here the G query heads of a group are one block of rows, each block of queries multiplies
