@@ -25,7 +25,6 @@
 #include "base/content_hash.h"
 #include "base/errors.h"
 #include "checkpoints/model_loader.h"
-#include "ops/amx_panels.h"
 #include "ops/causal_attention_cpu.h"
 #include "ops/causal_attention_float32.h"
 #include "ops/gated_activation.h"
@@ -278,15 +277,14 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   // A bfloat16 prefill chunk on an AMX CPU or one with AVX512-BF16, or a float32 one of a bf16x3 backbone
   // (ops/causal_attention_cpu.h); a float32 one of a float32 backbone, or a bfloat16 one on a CPU with neither,
   // whose SDPA kernel forms its bfloat16 products as float32 GEMMs through per-block conversions
-  // (ops/causal_attention_float32.h): the logsumexp comes with either. A bfloat16 chunk too short for the tiles
-  // on AMX stays with SDPA.
+  // (ops/causal_attention_float32.h): the logsumexp comes with either. Each kernel's `fits` says when it is the
+  // faster one (a bfloat16 chunk too short for the tiles on AMX stays with SDPA).
   const bool bf16 = call.q.scalar_type() != at::kFloat;
   using Kernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor*);
   Kernel kernel = nullptr;
   if ((call.bf16x3 || bf16) && ops::causal_attention_cpu_fits(call.q, keys, values))
     kernel = &ops::causal_attention_cpu;
-  else if (!call.bf16x3 && !(bf16 && ops::amx::bf16_available()) &&
-           ops::causal_attention_float32_fits(call.q, keys, values))
+  else if (!call.bf16x3 && ops::causal_attention_float32_fits(call.q, keys, values))
     kernel = &ops::causal_attention_float32;
   if (kernel) {
     at::Tensor lse;

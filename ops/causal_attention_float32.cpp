@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "ops/amx_panels.h"
 #include "ops/prefill_attention_operands.h"
 #include "ops/cpu_vector.h"
 
@@ -168,6 +169,8 @@ bool causal_attention_float32_supported(const at::Tensor& q, const at::Tensor& k
 }
 
 bool causal_attention_float32_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
+  // On AMX, SDPA's bfloat16 products already run on the tiles: a bfloat16 chunk too short for ours stays with it.
+  if (q.dim() == 4 && q.scalar_type() == at::kBFloat16 && amx::bf16_available()) return false;
   return q.dim() == 4 && q.size(2) >= kMinQueries && causal_attention_float32_supported(q, keys, values);
 }
 

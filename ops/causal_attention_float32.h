@@ -20,7 +20,8 @@ namespace kvbound::ops {
 // T ≤ N ≤ 4096 keys (a task's scores, ≤ 256 rows × 4096 keys, stay a few MiB), no gradient to carry.
 bool causal_attention_float32_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values);
 
-// Whether it is also the faster kernel, hence the one the backbone takes: T ≥ 96 queries. Measured on SmolLM2's
+// Whether it is also the faster kernel, hence the one the backbone takes: T ≥ 96 queries, and never bfloat16 on an
+// AMX CPU (SDPA's bfloat16 products run on the tiles there; ops/causal_attention_cpu takes the longer chunks). Measured on SmolLM2's
 // heads (`bench_cpu_attention T CACHED 2 9 3 64 30 7 float32 sgemm`, SDPA's time over this kernel's, 2 threads):
 // 0.68 / 0.77 at 32 / 64 queries, 1.25 at 96, 1.33 at 128, 1.31–1.71 at 192–512 (1.73 at one thread), 1.39 at 1024
 // on a first chunk; 0.95 for 64 after 320 cached, 1.01 for 128 after 256, 1.24 for 512 after 3584.

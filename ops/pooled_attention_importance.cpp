@@ -6,13 +6,13 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/softmax.h>
-#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#include "ops/cpu_vector.h"
 
 #include <algorithm>
 #include <cmath>
@@ -157,39 +157,98 @@ void pool_probabilities(const at::Tensor& q, const at::Tensor& k, const scalar_t
   });
 }
 
+// One row of the one-block path in place: its first `visible` logits l (unscaled q·k) become the softmax weights
+// A = e^(scale·(l − max)) / Σ; float32 by the fused kernels' exp2 (ops/cpu_vector.h, vectorized, a fixed-order
+// sum), float64 by std::exp (the tests' reference precision).
+KVBOUND_VECTOR_CLONES void softmax_prefix(float* x, int64_t visible, float scale) {
+  // 16 running maxima, then one (a `reduction(max)` loop stays scalar: one dependent max per key).
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  std::fill_n(lane, kLanes, -std::numeric_limits<float>::infinity());
+  const int64_t full = visible - visible % kLanes;
+  for (int64_t t = 0; t < full; t += kLanes)
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) lane[j] = lane[j] < x[t + j] ? x[t + j] : lane[j];
+  for (int64_t t = full; t < visible; ++t) lane[t - full] = lane[t - full] < x[t] ? x[t] : lane[t - full];
+  const float max = *std::max_element(lane, lane + kLanes);
+  const float log2_scale = scale * 1.44269504088896341f, shift = max * log2_scale;
+#pragma omp simd
+  for (int64_t t = 0; t < visible; ++t) x[t] = cpu::exp2_nonpositive(x[t] * log2_scale - shift);
+  const float inv_sum = 1.f / cpu::fixed_order_sum(visible, [x](int64_t t) { return x[t]; });
+#pragma omp simd
+  for (int64_t t = 0; t < visible; ++t) x[t] *= inv_sum;
+}
+
+void softmax_prefix(double* x, int64_t visible, double scale) {
+  const double max = *std::max_element(x, x + visible);
+  double sum = 0;
+  for (int64_t t = 0; t < visible; ++t) sum += x[t] = std::exp(scale * (x[t] - max));
+  for (int64_t t = 0; t < visible; ++t) x[t] /= sum;
+}
+
+// One query's weights A[0, seen) into its head's per-key pool: their sum (mean), their largest, or Σ e^A
+// (logsumexp; A ∈ [0, 1] bounds every term by e, so nothing is shifted).
+KVBOUND_VECTOR_CLONES void pool_row(const float* a, int64_t seen, PoolMode pool, float* acc) {
+  if (pool == PoolMode::Mean) {
+#pragma omp simd
+    for (int64_t t = 0; t < seen; ++t) acc[t] += a[t];
+  } else if (pool == PoolMode::Max) {
+#pragma omp simd
+    for (int64_t t = 0; t < seen; ++t) acc[t] = acc[t] < a[t] ? a[t] : acc[t];
+  } else {
+#pragma omp simd
+    for (int64_t t = 0; t < seen; ++t) acc[t] += cpu::exp_float(a[t]);
+  }
+}
+
+void pool_row(const double* a, int64_t seen, PoolMode pool, double* acc) {
+  for (int64_t t = 0; t < seen; ++t)
+    acc[t] = pool == PoolMode::Mean ? acc[t] + a[t] : pool == PoolMode::Max ? std::max(acc[t], a[t]) : acc[t] + std::exp(a[t]);
+}
+
 // When every query of any window fits one query block (the IndexMem default: window 32 ≤ block 64), that block's
 // logits against every key at once, [B, Hkv, G·W, T] (W = the window's queries: as many values as q itself when
-// W ≤ D), in a dozen ATen ops: the tiled passes make two small products and exps per (row, block) pair, which at
-// these sizes cost more in dispatch than in arithmetic (SmolLM2, T 511, W 32, 30 layers: DESIGN.md).
+// W ≤ D), by one product, then one pass per KV head (parallel over B·Hkv) that turns each row into weights and
+// pools them: the tiled passes make two small products and exps per (row, block) pair, which at these sizes cost
+// more in dispatch than in arithmetic, and the ATen ops that did this pass (mask, softmax, masked sum) cost 0.9 ms
+// of the 1.1 ms per layer (SmolLM2, T 511, W 32: DESIGN.md, "IndexMem stage 1").
+template <typename scalar_t>
 at::Tensor window_block_importance(const at::Tensor& q, const at::Tensor& k, PoolMode pool, const PoolWindow& omega,
                                    int64_t first_query) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t W = T - first_query;
-  const at::ScalarType compute = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  if (W == 0) return at::zeros({B, Hkv, T}, q.options().dtype(compute));  // every window empty
+  const at::ScalarType compute = c10::CppTypeToScalarType<scalar_t>::value;
+  const at::Tensor out = at::zeros({B, Hkv, T}, q.options().dtype(compute));
+  if (W == 0) return out;  // every window empty
   // The G query heads of KV head j are j·G … j·G + G − 1: as rows g·W + i of one [G·W, D] block per KV head.
   const at::Tensor queries = q.narrow(2, first_query, W).to(compute).reshape({B, Hkv, G * W, D});
-  const at::Tensor logits = at::matmul(queries, k.to(compute).transpose(-2, -1))
-                                .mul_(1.0 / std::sqrt(static_cast<double>(D)))
-                                .view({B, Hkv, G, W, T});
-  const auto long_options = q.options().dtype(at::kLong);
-  const at::Tensor query_positions = at::arange(first_query, T, long_options).unsqueeze(1);  // [W, 1]
-  const at::Tensor keys = at::arange(T, long_options).unsqueeze(0);                           // [1, T]
-  logits.masked_fill_(keys > query_positions, -std::numeric_limits<double>::infinity());
-  const at::Tensor in_omega = query_positions >= window_starts(T, omega.window, omega.min_gap, q.options()).unsqueeze(0);
-  const at::Tensor outside = in_omega.logical_not();
-  const at::Tensor sizes = in_omega.sum(0);  // |Ω(t)| [T]
-  const double minus_inf = -std::numeric_limits<double>::infinity();
-  at::Tensor pooled;  // [B, Hkv, G, T]
-  if (pool == PoolMode::Max) {  // the largest log A_h[s, t], exponentiated once; empty Ω: e^−∞ = 0
-    pooled = at::log_softmax(logits, -1).masked_fill_(outside, minus_inf).amax(3).exp();
-  } else {
-    const at::Tensor probs = at::softmax(logits, -1);  // A_h[s, t]
-    pooled = pool == PoolMode::Mean
-                 ? probs.masked_fill(outside, 0).sum(3) / sizes.clamp_min(1)
-                 : at::where(sizes > 0, probs.exp().masked_fill_(outside, 0).sum(3).log(), 0.0);
-  }
-  return pooled.mean(2);
+  const at::Tensor logits = at::matmul(queries, k.to(compute).transpose(-2, -1)).contiguous();  // [B, Hkv, G·W, T]
+  const scalar_t scale = scalar_t(1) / std::sqrt(static_cast<scalar_t>(D));
+  scalar_t* x = logits.mutable_data_ptr<scalar_t>();
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> acc(static_cast<size_t>(T));
+    for (int64_t kv = begin; kv < end; ++kv) {
+      scalar_t* total = o + kv * T;
+      for (int64_t g = 0; g < G; ++g) {
+        std::fill(acc.begin(), acc.end(), scalar_t(0));
+        for (int64_t i = 0; i < W; ++i) {
+          const int64_t s = first_query + i;
+          scalar_t* row = x + ((kv * G + g) * W + i) * T;
+          softmax_prefix(row, s + 1, scale);                              // keys t ≤ s
+          pool_row(row, omega.keys_seen_by(s, 0, T), pool, acc.data());  // the keys whose Ω(t) holds s: a prefix
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t size = omega.size(t);  // |Ω(t)|; 0: an invalid key, 0 in every pool
+          total[t] += pool == PoolMode::Mean ? acc[t] / static_cast<scalar_t>(std::max<int64_t>(size, 1))
+                      : pool == PoolMode::Max ? acc[t]
+                                              : (size > 0 ? std::log(acc[t]) : scalar_t(0));
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) total[t] /= static_cast<scalar_t>(G);
+    }
+  });
+  return out;
 }
 
 at::Tensor pooled_attention_importance_fwd_cpu(const at::Tensor& q, const at::Tensor& k, int64_t pool, int64_t window,
@@ -200,7 +259,10 @@ at::Tensor pooled_attention_importance_fwd_cpu(const at::Tensor& q, const at::Te
   const PoolWindow omega{T, window, min_gap};
   // Only queries from Ω(0)'s start on are in any window; their rows need a logsumexp.
   const int64_t first_query = std::min(omega.start(0), T);
-  if (T - first_query <= query_block) return window_block_importance(q, k, mode, omega, first_query);
+  if (T - first_query <= query_block) {
+    return q.scalar_type() == at::kDouble ? window_block_importance<double>(q, k, mode, omega, first_query)
+                                          : window_block_importance<float>(q, k, mode, omega, first_query);
+  }
   const at::Tensor q_flat = flat_rows(q), k_flat = flat_rows(k);
   const at::Tensor out = at::empty({k.size(0), k.size(1), T}, q_flat.options());
   const at::Tensor lse = at::empty({q_flat.size(0), T}, q_flat.options());
