@@ -194,22 +194,14 @@ bool Backbone::on_bf16x3(const at::Tensor& x) const {
 
 namespace {
 
-// A frozen projection off the bf16x3 path: float32 products on oneDNN where MKL's sgemm would run its AVX2
-// kernels (ops/onednn_linear.h), ATen's GEMM otherwise.
-at::Tensor frozen_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (x.is_cpu() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && !weight.requires_grad() &&
-      ops::onednn::float32_preferred())
-    return ops::onednn::linear(x, weight, bias);
-  return at::linear(x, weight, bias);
-}
-
 // The input of one or more frozen projections: on the bf16x3 path its rows are split once, on first use, for
-// every weight that reads it (q, k and v; gate and up).
+// every weight that reads it (q, k and v; gate and up); off it, float32 products on oneDNN where MKL's sgemm would
+// run its AVX2 kernels (ops/onednn_linear.h), ATen's GEMM otherwise.
 class ProjectionInput {
  public:
   ProjectionInput(at::Tensor x, bool bf16x3) : x_(std::move(x)), bf16x3_(bf16x3) {}
   at::Tensor apply(const at::Tensor& weight, const ops::Bf16x3Weight& tiles, const at::Tensor& bias = {}) {
-    if (!bf16x3_) return frozen_linear(x_, weight, bias);
+    if (!bf16x3_) return ops::onednn::preferred_linear(x_, weight, bias);
     if (!split_.hi.defined()) split_ = ops::split_rows(x_);
     return ops::bf16x3_linear(x_, split_, tiles, weight, bias);
   }

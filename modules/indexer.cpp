@@ -2,7 +2,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/normal.h>
 #include <ATen/ops/ones.h>
@@ -15,6 +14,7 @@
 #include "base/errors.h"
 #include "modules/leaf_tensors.h"
 #include "modules/backbone.h"
+#include "ops/onednn_linear.h"
 #include "ops/rms_norm.h"
 
 namespace kvbound {
@@ -135,21 +135,21 @@ at::Tensor Indexer::finish_keys(const at::Tensor& projected_keys, const at::Tens
 }
 
 at::Tensor Indexer::query(std::int64_t layer, const at::Tensor& q_pre_rope, const at::Tensor& positions) const {
-  return finish_queries(at::linear(q_pre_rope.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wq), positions);
+  return finish_queries(ops::onednn::preferred_linear(q_pre_rope.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wq), positions);
 }
 
 at::Tensor Indexer::key(std::int64_t layer, const at::Tensor& x, const at::Tensor& positions) const {
-  return finish_keys(at::linear(x.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wk), positions);
+  return finish_keys(ops::onednn::preferred_linear(x.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wk), positions);
 }
 
 at::Tensor Indexer::head_weights(std::int64_t layer, const at::Tensor& x) const {
   const Layer& L = layers_.at(static_cast<std::size_t>(layer));
-  return at::sigmoid(at::linear(x.to(at::kFloat), L.ww, L.bw)).permute({0, 2, 1});
+  return at::sigmoid(ops::onednn::preferred_linear(x.to(at::kFloat), L.ww, L.bw)).permute({0, 2, 1});
 }
 
 at::Tensor Indexer::key_bias(std::int64_t layer, const at::Tensor& x) const {
   TORCH_CHECK(settings_.key_bias, "Indexer::key_bias: this indexer has no key bias");
-  return at::linear(x.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wb).transpose(1, 2);
+  return ops::onednn::preferred_linear(x.to(at::kFloat), layers_.at(static_cast<std::size_t>(layer)).wb).transpose(1, 2);
 }
 
 namespace {
@@ -168,25 +168,25 @@ at::Tensor per_layer(const std::vector<at::Tensor>& inputs, std::size_t layers, 
 
 at::Tensor Indexer::queries(const std::vector<at::Tensor>& q_pre_rope, const at::Tensor& positions) const {
   return finish_queries(per_layer(q_pre_rope, layers_.size(),
-                                  [&](std::size_t l, const at::Tensor& q) { return at::linear(q, layers_[l].wq); }),
+                                  [&](std::size_t l, const at::Tensor& q) { return ops::onednn::preferred_linear(q, layers_[l].wq); }),
                         positions);
 }
 
 at::Tensor Indexer::keys(const std::vector<at::Tensor>& x, const at::Tensor& positions) const {
-  return finish_keys(per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) { return at::linear(in, layers_[l].wk); }),
+  return finish_keys(per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) { return ops::onednn::preferred_linear(in, layers_[l].wk); }),
                      positions);
 }
 
 at::Tensor Indexer::head_weights(const std::vector<at::Tensor>& x) const {
   const at::Tensor logits = per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) {
-    return at::linear(in, layers_[l].ww, layers_[l].bw);
+    return ops::onednn::preferred_linear(in, layers_[l].ww, layers_[l].bw);
   });
   return at::sigmoid(logits).permute({0, 2, 1});
 }
 
 at::Tensor Indexer::key_biases(const std::vector<at::Tensor>& x) const {
   TORCH_CHECK(settings_.key_bias, "Indexer::key_biases: this indexer has no key bias");
-  return per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) { return at::linear(in, layers_[l].wb); })
+  return per_layer(x, layers_.size(), [&](std::size_t l, const at::Tensor& in) { return ops::onednn::preferred_linear(in, layers_[l].wb); })
       .transpose(1, 2);
 }
 

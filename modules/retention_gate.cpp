@@ -2,13 +2,13 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/log_sigmoid.h>
 #include <ATen/ops/normal.h>
 #include <ATen/ops/zeros.h>
 
 #include "base/errors.h"
 #include "modules/leaf_tensors.h"
+#include "ops/onednn_linear.h"
 #include "ops/retention_attention.h"
 
 namespace kvbound {
@@ -72,8 +72,8 @@ RetentionGates RetentionGates::from_tensors(const std::map<std::string, at::Tens
 
 at::Tensor RetentionGates::log_beta(std::int64_t layer, const at::Tensor& x) const {
   const Layer& L = layers_.at(static_cast<std::size_t>(layer));
-  const at::Tensor h = apply_activation(activation_, at::linear(x.to(at::kFloat), L.w1, L.c1));
-  const at::Tensor z = at::linear(h, L.w2) + L.b;  // [B, T, Hkv]
+  const at::Tensor h = apply_activation(activation_, ops::onednn::preferred_linear(x.to(at::kFloat), L.w1, L.c1));
+  const at::Tensor z = ops::onednn::preferred_linear(h, L.w2) + L.b;  // [B, T, Hkv]
   // logsigmoid, not log(sigmoid): z starts near 8–18, where sigmoid rounds to 1 and log β to 0 exactly.
   return at::log_sigmoid(z).permute({0, 2, 1}).contiguous();
 }

@@ -47,18 +47,30 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   return linear_pointwise()->call(x, weight, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
 }
 
-// The forward and the input gradient on oneDNN; only W is saved (W is frozen, so x is not needed).
+// The forward and every gradient on oneDNN: dX = dY·W, dW = dYᵀ·X (as a product whose "weight" is Xᵀ, a strided
+// view oneDNN reads as is), db = Σ dY over rows. Saves W when x needs a gradient, x when W does.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
+  // The bias as an optional: apply takes an undefined one as "no input" (an undefined Tensor it rejects).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor* bias) {
-    ctx->save_for_backward({weight});
-    return product(x, weight, *bias);  // the bias by pointer: it may be undefined, which apply rejects
+                            const std::optional<at::Tensor>& bias) {
+    ctx->saved_data["bias_grad"] = bias.has_value() && bias->requires_grad();
+    ctx->save_for_backward({x.requires_grad() ? weight : at::Tensor(), weight.requires_grad() ? x : at::Tensor()});
+    return product(x, weight, bias.value_or(at::Tensor()));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    const at::Tensor weight = ctx->get_saved_variables()[0];
-    return {product(grad_outputs[0], weight.t(), {}), {}, {}};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& weight = saved[0];
+    const at::Tensor& x = saved[1];
+    const at::Tensor& dy = grad_outputs[0];
+    const int64_t N = dy.size(-1);
+    const at::Tensor dy_rows = dy.reshape({-1, N});
+    at::Tensor dx, dw, db;
+    if (weight.defined()) dx = product(dy, weight.t(), {});
+    if (x.defined()) dw = product(dy_rows.t(), x.reshape({-1, x.size(-1)}).t(), {});
+    if (ctx->saved_data["bias_grad"].toBool()) db = dy_rows.sum(0);
+    return {dx, dw, db};
   }
 };
 
@@ -81,10 +93,20 @@ bool float32_preferred() {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   check_operands(x, weight, "linear");
-  TORCH_CHECK(!weight.requires_grad() && !(bias.defined() && bias.requires_grad()),
-              "onednn::linear: the weight and bias must be frozen");
-  if (!(at::GradMode::is_enabled() && x.requires_grad())) return product(x, weight, bias);
-  return LinearFunction::apply(x, weight, &bias);
+  TORCH_CHECK(!bias.defined() || (bias.is_cpu() && bias.scalar_type() == at::kFloat && bias.dim() == 1 &&
+                                   bias.size(0) == weight.size(0)),
+              "onednn::linear: expected a float32 CPU bias [", weight.size(0), "]; got ", bias.sizes());
+  const bool needs_grad =
+      x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad());
+  if (!(at::GradMode::is_enabled() && needs_grad)) return product(x, weight, bias);
+  return LinearFunction::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+}
+
+at::Tensor preferred_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const auto float32_cpu = [](const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kFloat; };
+  if (float32_cpu(x) && float32_cpu(weight) && (!bias.defined() || float32_cpu(bias)) && float32_preferred())
+    return linear(x, weight, bias);
+  return at::linear(x, weight, bias);
 }
 
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
