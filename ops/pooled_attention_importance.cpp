@@ -12,11 +12,14 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "ops/amx_panels.h"
+#include "ops/bf16_dot_panels.h"
 #include "ops/cpu_vector.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace kvbound::ops {
@@ -206,12 +209,38 @@ void pool_row(const double* a, int64_t seen, PoolMode pool, double* acc) {
     acc[t] = pool == PoolMode::Mean ? acc[t] + a[t] : pool == PoolMode::Max ? std::max(acc[t], a[t]) : acc[t] + std::exp(a[t]);
 }
 
+// One KV head's pass of the one-block path: each of its G·W logits rows (row r at x + r·ld, unscaled, query
+// first_query + r % W) into softmax weights, pooled per query head into `total` [T], averaged over the G heads.
+template <typename scalar_t>
+void pool_kv_head(scalar_t* x, int64_t ld, int64_t G, int64_t first_query, PoolMode pool, const PoolWindow& omega,
+                  scalar_t scale, scalar_t* acc, scalar_t* total) {
+  const int64_t T = omega.T, W = T - first_query;
+  for (int64_t g = 0; g < G; ++g) {
+    std::fill(acc, acc + T, scalar_t(0));
+    for (int64_t i = 0; i < W; ++i) {
+      const int64_t s = first_query + i;
+      scalar_t* row = x + (g * W + i) * ld;
+      softmax_prefix(row, s + 1, scale);                       // keys t ≤ s
+      pool_row(row, omega.keys_seen_by(s, 0, T), pool, acc);  // the keys whose Ω(t) holds s: a prefix
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t size = omega.size(t);  // |Ω(t)|; 0: an invalid key, 0 in every pool
+      total[t] += pool == PoolMode::Mean ? acc[t] / static_cast<scalar_t>(std::max<int64_t>(size, 1))
+                  : pool == PoolMode::Max ? acc[t]
+                                          : (size > 0 ? std::log(acc[t]) : scalar_t(0));
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) total[t] /= static_cast<scalar_t>(G);
+}
+
 // When every query of any window fits one query block (the IndexMem default: window 32 ≤ block 64), that block's
-// logits against every key at once, [B, Hkv, G·W, T] (W = the window's queries: as many values as q itself when
-// W ≤ D), by one product, then one pass per KV head (parallel over B·Hkv) that turns each row into weights and
-// pools them: the tiled passes make two small products and exps per (row, block) pair, which at these sizes cost
-// more in dispatch than in arithmetic, and the ATen ops that did this pass (mask, softmax, masked sum) cost 0.9 ms
-// of the 1.1 ms per layer (SmolLM2, T 511, W 32: DESIGN.md, "IndexMem stage 1").
+// logits against every key, [G·W, T] per KV head (W = the window's queries: as many values as q itself when
+// W ≤ D), then one pass per KV head (parallel over B·Hkv) turning each row into weights and pooling them: the
+// tiled passes make two small products and exps per (row, block) pair, which at these sizes cost more in dispatch
+// than in arithmetic, and the ATen ops that did this pass (mask, softmax, masked sum) cost 0.9 ms of the 1.1 ms
+// per layer (SmolLM2, T 511, W 32: DESIGN.md, "IndexMem stage 1"). bfloat16 q and K on a CPU with AVX512-BF16
+// and no AMX form the logits with VDPBF16PS (ops/bf16_dot_panels.h: each product exact in float32, as in the
+// widened matmul, summed in another order), K packed per head; otherwise one float32 (float64) matmul.
 template <typename scalar_t>
 at::Tensor window_block_importance(const at::Tensor& q, const at::Tensor& k, PoolMode pool, const PoolWindow& omega,
                                    int64_t first_query) {
@@ -220,33 +249,38 @@ at::Tensor window_block_importance(const at::Tensor& q, const at::Tensor& k, Poo
   const at::ScalarType compute = c10::CppTypeToScalarType<scalar_t>::value;
   const at::Tensor out = at::zeros({B, Hkv, T}, q.options().dtype(compute));
   if (W == 0) return out;  // every window empty
+  const scalar_t scale = scalar_t(1) / std::sqrt(static_cast<scalar_t>(D));
+  scalar_t* o = out.mutable_data_ptr<scalar_t>();
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (q.scalar_type() == at::kBFloat16 && q.stride(3) == 1 && k.stride(3) == 1 && D % 2 == 0 &&
+        bf16_dot::available() && !amx::bf16_available()) {
+      const int64_t panels = (T + bf16_dot::kPanel - 1) / bf16_dot::kPanel, ld = panels * bf16_dot::kPanel;
+      const auto* q_bits = static_cast<const uint16_t*>(q.const_data_ptr());
+      const auto* k_bits = static_cast<const uint16_t*>(k.const_data_ptr());
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+        std::vector<uint16_t> packed(static_cast<size_t>(ld * D));
+        std::vector<float> logits(static_cast<size_t>(G * W * ld)), acc(static_cast<size_t>(T));
+        for (int64_t kv = begin; kv < end; ++kv) {
+          const int64_t b = kv / Hkv, j = kv % Hkv;
+          bf16_dot::pack_transposed_panels(k_bits + b * k.stride(0) + j * k.stride(1), k.stride(2), T, D, packed.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const uint16_t* rows = q_bits + b * q.stride(0) + (j * G + g) * q.stride(1) + first_query * q.stride(2);
+            bf16_dot::multiply_panels(rows, W, D, q.stride(2), packed.data(), 0, panels, logits.data() + g * W * ld, ld);
+          }
+          pool_kv_head(logits.data(), ld, G, first_query, pool, omega, scale, acc.data(), o + kv * T);
+        }
+      });
+      return out;
+    }
+  }
   // The G query heads of KV head j are j·G … j·G + G − 1: as rows g·W + i of one [G·W, D] block per KV head.
   const at::Tensor queries = q.narrow(2, first_query, W).to(compute).reshape({B, Hkv, G * W, D});
   const at::Tensor logits = at::matmul(queries, k.to(compute).transpose(-2, -1)).contiguous();  // [B, Hkv, G·W, T]
-  const scalar_t scale = scalar_t(1) / std::sqrt(static_cast<scalar_t>(D));
   scalar_t* x = logits.mutable_data_ptr<scalar_t>();
-  scalar_t* o = out.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> acc(static_cast<size_t>(T));
-    for (int64_t kv = begin; kv < end; ++kv) {
-      scalar_t* total = o + kv * T;
-      for (int64_t g = 0; g < G; ++g) {
-        std::fill(acc.begin(), acc.end(), scalar_t(0));
-        for (int64_t i = 0; i < W; ++i) {
-          const int64_t s = first_query + i;
-          scalar_t* row = x + ((kv * G + g) * W + i) * T;
-          softmax_prefix(row, s + 1, scale);                              // keys t ≤ s
-          pool_row(row, omega.keys_seen_by(s, 0, T), pool, acc.data());  // the keys whose Ω(t) holds s: a prefix
-        }
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t size = omega.size(t);  // |Ω(t)|; 0: an invalid key, 0 in every pool
-          total[t] += pool == PoolMode::Mean ? acc[t] / static_cast<scalar_t>(std::max<int64_t>(size, 1))
-                      : pool == PoolMode::Max ? acc[t]
-                                              : (size > 0 ? std::log(acc[t]) : scalar_t(0));
-        }
-      }
-      for (int64_t t = 0; t < T; ++t) total[t] /= static_cast<scalar_t>(G);
-    }
+    for (int64_t kv = begin; kv < end; ++kv)
+      pool_kv_head(x + kv * G * W * T, T, G, first_query, pool, omega, scale, acc.data(), o + kv * T);
   });
   return out;
 }

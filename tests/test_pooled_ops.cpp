@@ -190,6 +190,26 @@ TEST(PooledAttentionImportance, NoGradientAndFloatTargetsForHalfInputs) {
                1e-6, "bf16");
 }
 
+// bfloat16 q and K take VDPBF16PS for the one-block path's logits where the CPU has AVX512-BF16 (and no AMX), the
+// widened float32 matmul elsewhere: either way the targets of the same values' float32 computation, on the
+// backbone's layout (q and K transposed views of [B, T, H, D]) at SmolLM2's heads, every pool, with a min_gap.
+TEST(PooledAttentionImportance, BFloat16OneBlockPathMatchesFloat32OfTheSameValues) {
+  at::manual_seed(8);
+  const int64_t B = 2, Hq = 9, Hkv = 3, T = 511, D = 64;
+  const at::Tensor q = at::randn({B, T, Hq, D}).to(at::kBFloat16).transpose(1, 2);
+  const at::Tensor k = at::randn({B, T, Hkv, D}).to(at::kBFloat16).transpose(1, 2);
+  for (const PoolMode pool : kPools) {
+    for (const int64_t min_gap : {int64_t{0}, int64_t{3}}) {
+      const std::string what = describe(pool, 32, min_gap, T, at::kBFloat16);
+      const at::Tensor a = ops::pooled_attention_importance(q, k, pool, 32, min_gap);
+      EXPECT_EQ(a.scalar_type(), at::kFloat) << what;
+      expect_close(a, ops::pooled_attention_importance(q.to(at::kFloat), k.to(at::kFloat), pool, 32, min_gap), 1e-5, what);
+      expect_close(a, ops::pooled_attention_importance_reference(q.to(at::kDouble), k.to(at::kDouble), pool, 32, min_gap),
+                   1e-5, what);
+    }
+  }
+}
+
 TEST(PooledIndexScore, BlockedMatchesReference) {
   // Values and the gradients of Σ z·weight over valid keys, against autograd through the reference.
   at::manual_seed(4);
