@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
@@ -25,12 +26,15 @@ namespace {
 
 constexpr const char* kOpName = "kvbound::pooled_index_score";
 
-void check_inputs(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w) {
+// `last_queries`: qI and w may hold only the last R ≤ T of the T queries (pooled_index_score; the kernels take all).
+void check_inputs(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, bool last_queries = false) {
   TORCH_CHECK(qI.dim() == 4 && kI.dim() == 4 && w.dim() == 3, kOpName,
               ": expected qI [B, Hq, T, dI], kI [B, Hk, T, dI], w [B, Hq, T]; got qI ", qI.sizes(), ", kI ", kI.sizes(),
               ", w ", w.sizes());
-  TORCH_CHECK(kI.size(0) == qI.size(0) && kI.size(2) == qI.size(2) && kI.size(3) == qI.size(3), kOpName,
-              ": kI must be [B, Hk, T, dI] matching qI ", qI.sizes(), "; got kI ", kI.sizes());
+  const bool rows_match = last_queries ? qI.size(2) <= kI.size(2) : qI.size(2) == kI.size(2);
+  TORCH_CHECK(kI.size(0) == qI.size(0) && rows_match && kI.size(3) == qI.size(3), kOpName,
+              ": kI must be [B, Hk, T, dI] matching qI ", qI.sizes(), last_queries ? " (qI: T or fewer rows)" : "",
+              "; got kI ", kI.sizes());
   TORCH_CHECK(w.sizes() == qI.sizes().slice(0, 3), kOpName, ": w must be [B, Hq, T] = ", qI.sizes().slice(0, 3),
               "; got ", w.sizes());
   TORCH_CHECK(qI.size(3) > 0, kOpName, ": index dim must be positive; got qI ", qI.sizes());
@@ -434,12 +438,13 @@ class PooledIndexScoreFunction : public torch::autograd::Function<PooledIndexSco
 at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, int64_t window,
                              int64_t min_gap) {
   const at::ScalarType compute = qI.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), T = qI.size(2), d = qI.size(3), G = Hq / Hk;
+  const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), T = kI.size(2), d = qI.size(3), G = Hq / Hk;
+  const int64_t offset = T - qI.size(2);  // qI's row r is query offset + r
   // Only the queries from the earliest start on are in any Ω (a window's last W, for IndexMem's training): the
   // sums run over those alone, the same additions in the same order (the suffix sum starts at the last row).
   const int64_t first = std::min(PoolWindow{T, window, min_gap}.start(0), T), S = T - first;
-  const at::Tensor q_eff = (qI.narrow(2, first, S).to(compute).reshape({B, Hk, G, S, d}) *
-                            w.narrow(2, first, S).to(compute).reshape({B, Hk, G, S, 1}))
+  const at::Tensor q_eff = (qI.narrow(2, first - offset, S).to(compute).reshape({B, Hk, G, S, d}) *
+                            w.narrow(2, first - offset, S).to(compute).reshape({B, Hk, G, S, 1}))
                                .sum(2);  // [B, Hk, S, d]
   // Row r: Σ_{s ≥ first + r} q_g[s], for r = 0..S (row S is the empty sum of keys whose Ω is empty).
   const at::Tensor suffix =
@@ -455,13 +460,18 @@ at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const a
 
 at::Tensor pooled_index_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, PoolMode pool,
                               int64_t window, int64_t min_gap, bool relu, int64_t query_block, int64_t key_block) {
-  check_inputs(qI, kI, w);
-  if (!relu && pool == PoolMode::Mean) {
-    check_window_args(kOpName, min_gap, query_block, key_block);
-    return linear_mean_score(qI, kI, w, window, min_gap);
-  }
-  return PooledIndexScoreFunction::apply(qI, kI, w, static_cast<int64_t>(pool), window, min_gap, relu, query_block,
-                                         key_block);
+  check_inputs(qI, kI, w, /*last_queries=*/true);
+  check_window_args(kOpName, min_gap, query_block, key_block);
+  const int64_t T = kI.size(2), missing = T - qI.size(2);
+  const int64_t first = std::min(PoolWindow{T, window, min_gap}.start(0), T);
+  TORCH_CHECK(missing <= first, kOpName, ": qI and w hold the last ", qI.size(2), " of ", T,
+              " queries, but the windows start at query ", first);
+  if (!relu && pool == PoolMode::Mean) return linear_mean_score(qI, kI, w, window, min_gap);
+  // The kernels take every query: the missing ones, which no Ω holds, as zeros.
+  const at::Tensor q_all = missing > 0 ? at::constant_pad_nd(qI, {0, 0, missing, 0}) : qI;
+  const at::Tensor w_all = missing > 0 ? at::constant_pad_nd(w, {missing, 0}) : w;
+  return PooledIndexScoreFunction::apply(q_all, kI, w_all, static_cast<int64_t>(pool), window, min_gap, relu,
+                                         query_block, key_block);
 }
 
 at::Tensor pooled_index_score_reference(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, PoolMode pool,

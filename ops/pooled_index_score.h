@@ -26,7 +26,10 @@
 
 namespace kvbound::ops {
 
-// query_block × key_block: the CPU kernel's tile (any positive sizes; T need not be a multiple).
+// query_block × key_block: the CPU kernel's tile (any positive sizes; T need not be a multiple). qI and w may hold
+// only the last R of the T queries (qI [B, Hq, R, dI], w [B, Hq, R]) when no Ω holds an earlier one (an error
+// otherwise): IndexMem's training forms the window's queries alone, and the linear mean reads nothing else (the
+// kernels get the missing rows as zeros).
 at::Tensor pooled_index_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, PoolMode pool,
                               int64_t window, int64_t min_gap, bool relu, int64_t query_block = 64,
                               int64_t key_block = 64);

@@ -5,6 +5,7 @@
 // CPU against the same references, and on a GPU against the CPU kernels.
 #include <ATen/Context.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/matmul.h>
@@ -249,6 +250,41 @@ TEST(PooledIndexScore, BlockedMatchesReference) {
         }
       }
     }
+  }
+}
+
+// qI and w holding only the queries some Ω holds (IndexMem's training: a window's last W) give the score and the
+// gradients of the full rows with zeros before them, on every path (the linear mean, the kernels); one row too
+// few is refused.
+TEST(PooledIndexScore, LastQueriesAloneMatchTheZeroPaddedRows) {
+  at::manual_seed(9);
+  const int64_t T = 70, window = 24;
+  for (const int64_t min_gap : {int64_t{0}, int64_t{2}}) {
+    for (const PoolMode pool : kPools) {
+      for (const bool relu : {false, true}) {
+        const std::string what = describe(pool, window, min_gap, T, at::kDouble) + (relu ? " relu" : "");
+        const IndexInputs in = random_index_inputs(2, 4, 2, T, 8, at::kDouble);
+        const at::Tensor q_last = in.qI.narrow(2, T - window, window), w_last = in.w.narrow(2, T - window, window);
+        const at::Tensor q_padded = at::constant_pad_nd(q_last, {0, 0, T - window, 0});
+        const at::Tensor w_padded = at::constant_pad_nd(w_last, {T - window, 0});
+        const at::Tensor z = ops::pooled_index_score(q_last, in.kI, w_last, pool, window, min_gap, relu);
+        const at::Tensor z_padded = ops::pooled_index_score(q_padded, in.kI, w_padded, pool, window, min_gap, relu);
+        const at::Tensor valid = ops::pooled_valid_keys(T, window, min_gap);
+        expect_close(z.masked_select(valid), z_padded.masked_select(valid), kTol64, what);
+        const at::Tensor dz = at::randn({2, 2, T}, at::kDouble).masked_fill(valid.logical_not(), 0);
+        const auto g = torch::autograd::grad({z.masked_fill(valid.logical_not(), 0)}, {in.qI, in.kI, in.w}, {dz});
+        const auto g_padded =
+            torch::autograd::grad({z_padded.masked_fill(valid.logical_not(), 0)}, {in.qI, in.kI, in.w}, {dz});
+        for (int i = 0; i < 3; ++i) expect_close(g[i], g_padded[i], kGradTol64, what + " " + kGradNames[i]);
+      }
+    }
+    const IndexInputs in = random_index_inputs(1, 4, 2, T, 8, at::kDouble);
+    expect_error_containing(
+        [&] {
+          ops::pooled_index_score(in.qI.narrow(2, T - window + 1, window - 1), in.kI, in.w.narrow(2, T - window + 1, window - 1),
+                                  PoolMode::Mean, window, min_gap, false);
+        },
+        "hold the last 23 of 70 queries, but the windows start at query 46");
   }
 }
 

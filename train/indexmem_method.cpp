@@ -2,7 +2,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/tensor.h>
 
 #include "base/errors.h"
@@ -94,8 +93,8 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     model_.teacher_attention_inputs(batch.inputs.index_select(0, index).narrow(1, 0, L), teacher);
     const auto n = static_cast<std::int64_t>(members.size());
     // Every Ω(t) lies within the row's last `window` queries: the indexer's queries and head weights are formed
-    // there alone and the rows before them are zeros the score never reads (with window = 32 of 511 queries,
-    // the projections, norms and RoPE of 16× fewer rows, and their backward).
+    // there alone and handed to the score as its last rows (with window = 32 of 511 queries, the projections,
+    // norms and RoPE of 16× fewer rows, and their backward; no zero rows padded in and sliced back out).
     const std::int64_t used = settings_.window > 0 ? std::min(settings_.window, S) : S, unused = S - used;
     // Every layer at once, layer l's rows at l·n … l·n + n − 1 of the batch dim (Indexer::keys): one op per
     // step for the norms, RoPE, the pooled score and the KL rather than one per layer.
@@ -108,12 +107,8 @@ StepLoss IndexMemIndexerMethod::loss(const Batch& batch) {
     }
     const at::Tensor positions = teacher.positions.narrow(0, 0, S);
     const at::Tensor kI = indexer_->keys(inputs, positions);
-    at::Tensor qI = indexer_->queries(window_queries, positions.narrow(0, unused, used));
-    at::Tensor w = indexer_->head_weights(window_inputs);
-    if (unused > 0) {
-      qI = at::constant_pad_nd(qI, {0, 0, unused, 0});
-      w = at::constant_pad_nd(w, {unused, 0});
-    }
+    const at::Tensor qI = indexer_->queries(window_queries, positions.narrow(0, unused, used));
+    const at::Tensor w = indexer_->head_weights(window_inputs);
     at::Tensor z = ops::pooled_index_score(qI, kI, w, settings_.pool, settings_.window, settings_.min_gap,
                                            settings_.indexer.relu);
     // A key-only term passes through every pool unchanged (mean, max and logsumexp over queries of I + b are
