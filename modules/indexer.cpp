@@ -130,7 +130,9 @@ at::Tensor Indexer::finish_queries(const at::Tensor& projected, const at::Tensor
 
 at::Tensor Indexer::finish_keys(const at::Tensor& projected_keys, const at::Tensor& positions) const {
   const std::int64_t B = projected_keys.size(0), T = projected_keys.size(1);
-  const at::Tensor k = rms_norm_unweighted(projected_keys.view({B, T, key_heads_, settings_.d_index}).transpose(1, 2));
+  // Normed as the projection lays them out ([B, T, heads, d_I] rows), then viewed head-major: the norm would copy
+  // a transposed view to contiguous rows, forward and backward; RoPE takes the view as it is.
+  const at::Tensor k = rms_norm_unweighted(projected_keys.view({B, T, key_heads_, settings_.d_index})).transpose(1, 2);
   return settings_.rope ? apply_rope(k, positions, inv_freq_) : k;
 }
 
