@@ -21,6 +21,8 @@
 #include <tuple>
 #include <vector>
 
+#include "ops/gathered_row_dot.h"
+
 namespace kvbound::ops {
 namespace {
 
@@ -451,7 +453,7 @@ at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const a
       at::cat({q_eff.flip({2}).cumsum(2).flip({2}), at::zeros({B, Hk, 1, d}, q_eff.options())}, 2);
   const at::Tensor starts = window_starts(T, window, min_gap, q_eff.options()).clamp_max(T);
   const at::Tensor sizes = (T - starts).to(compute);
-  const at::Tensor mean = (suffix.index_select(2, starts - first) * kI.to(compute)).sum(-1) /
+  const at::Tensor mean = gathered_row_dot(suffix, starts - first, kI.to(compute)) /
                           (sizes.clamp_min(1) * std::sqrt(static_cast<double>(d)));
   return at::where(sizes > 0, mean, -std::numeric_limits<double>::infinity()).to(qI.scalar_type());
 }

@@ -67,10 +67,12 @@ bool takes_fused(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   return x.stride(3) == 1 && x.is_non_overlapping_and_dense();
 }
 
-// out[b, h, t] = row(x[b, h, t], cos[t], sin[t]) for every row, out in x's layout (a head-transposed view stays one).
+// out[b, h, t] = row(x[b, h, t], cos[t], sin[t]) for every row, out in x's layout (a head-transposed view stays
+// one) unless given another.
 template <typename Element, typename Row>
-at::Tensor map_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, Row row) {
-  at::Tensor out = at::empty_like(x);
+at::Tensor map_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, Row row,
+                    at::IntArrayRef out_strides = {}) {
+  at::Tensor out = out_strides.empty() ? at::empty_like(x) : at::empty_strided(x.sizes(), out_strides, x.options());
   const int64_t H = x.size(1), T = x.size(2), D = x.size(3), rows = x.size(0) * H * T;
   const auto* x_data = static_cast<const Element*>(x.const_data_ptr());
   const auto* c = static_cast<const Element*>(cos.const_data_ptr());
@@ -91,12 +93,15 @@ at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return map_rows<float>(x, cos, sin, rope_row_float);
 }
 
-// The fused pass forward and backward for a float32 x that needs a gradient (cos and sin constants).
+// The fused pass forward and backward for a float32 x that needs a gradient (cos and sin constants). x's gradient
+// comes out in x's layout, whatever the incoming gradient's: x is typically a head-transposed view of a norm's
+// output (the indexer's keys), whose backward then reads its gradient's rows in place instead of copying them.
 class FusedRopeFunction : public torch::autograd::Function<FusedRopeFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
                             const at::Tensor& sin) {
     ctx->save_for_backward({cos, sin});
+    ctx->saved_data["x_strides"] = x.strides().vec();
     return fused_rope(x, cos, sin);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -104,7 +109,8 @@ class FusedRopeFunction : public torch::autograd::Function<FusedRopeFunction> {
     const auto saved = ctx->get_saved_variables();
     at::Tensor grad = grad_outputs[0];
     if (!takes_fused(grad, saved[0], saved[1])) grad = grad.contiguous();
-    return {map_rows<float>(grad, saved[0], saved[1], rope_row_float_backward), {}, {}};
+    const std::vector<int64_t> x_strides = ctx->saved_data["x_strides"].toIntVector();
+    return {map_rows<float>(grad, saved[0], saved[1], rope_row_float_backward, x_strides), {}, {}};
   }
 };
 

@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/rsqrt.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <string>
@@ -124,9 +125,13 @@ TEST(RopeRotate, FusedGradientEqualsTheFormulasBitForBit) {
     const at::Tensor fused = ops::rope_rotate(x, cos, sin);
     const at::Tensor formula = x_formula * cos + ops::rotate_half(x_formula) * sin;
     EXPECT_TRUE(at::equal(fused, formula)) << D;
+    // x's gradient comes out in x's (head-transposed) layout, so a norm before RoPE reads it in place.
+    const at::Tensor grad_x = torch::autograd::grad({fused}, {x}, {grad}, /*retain_graph=*/true)[0];
+    EXPECT_EQ(grad_x.strides(), x.strides()) << D;
     fused.backward(grad);  // the strided gradient itself reaches the backward
     formula.backward(grad);
     EXPECT_TRUE(at::equal(x.grad(), x_formula.grad())) << D;
+    EXPECT_TRUE(at::equal(grad_x, x_formula.grad())) << D;
   }
 }
 

@@ -13,7 +13,9 @@
 #include <ATen/ops/randn.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "cuda_available.h"
+#include "ops/gathered_row_dot.h"
 #include "ops/pooled_attention_importance.h"
 #include "ops/pooled_index_score.h"
 #include "ops/pooled_ops_tiled.h"
@@ -437,6 +440,38 @@ TEST(PooledOpsValidation, RejectsBadArguments) {
   expect_error_containing([&] { ops::pooled_index_score(q, k, w, PoolMode::Max, 0, -2, false); }, "min_gap");
   expect_error_containing([&] { ops::pooled_index_score(q, k, w, static_cast<PoolMode>(7), 0, 0, false); },
                           "pool must be 0 (mean), 1 (max) or 2 (logsumexp); got 7");
+}
+
+// The linear mean score's last step (ops/gathered_row_dot.h): the fused CPU pass against the ATen formula, values
+// and both gradients, on keys in the indexer's head-transposed layout and an index that repeats and skips rows
+// (float64 to 1e-12, float32 to float32 rounding); b's gradient in b's layout; the no-gradient path; bad arguments.
+TEST(GatheredRowDot, FusedPassMatchesTheFormula) {
+  at::manual_seed(12);
+  const at::Tensor index = at::tensor(std::vector<int64_t>{3, 3, 3, 0, 1, 3, 4}, at::kLong);
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+    const double tol = dtype == at::kDouble ? 1e-12 : 2e-5;
+    const at::Tensor a0 = at::randn({2, 3, 5, 16}, dtype), b0 = at::randn({2, 7, 3, 16}, dtype).transpose(1, 2);
+    const at::Tensor a = a0.detach().requires_grad_(true), b = b0.detach().requires_grad_(true);
+    const at::Tensor a_ref = a0.detach().requires_grad_(true), b_ref = b0.detach().requires_grad_(true);
+    const at::Tensor out = ops::gathered_row_dot(a, index, b);
+    const at::Tensor expected = ops::gathered_row_dot_reference(a_ref, index, b_ref);
+    ASSERT_EQ(out.sizes(), expected.sizes());
+    EXPECT_TRUE(at::allclose(out, expected, tol, tol)) << dtype;
+    const at::Tensor grad = at::randn(out.sizes(), dtype);
+    const auto grads = torch::autograd::grad({out}, {a, b}, {grad});
+    const auto grads_ref = torch::autograd::grad({expected}, {a_ref, b_ref}, {grad});
+    EXPECT_TRUE(at::allclose(grads[0], grads_ref[0], tol, tol)) << dtype;
+    EXPECT_TRUE(at::allclose(grads[1], grads_ref[1], tol, tol)) << dtype;
+    EXPECT_EQ(grads[1].strides(), b.strides()) << dtype;
+    EXPECT_TRUE(at::equal(ops::gathered_row_dot(a0, index, b0), out.detach())) << dtype;  // no gradient wanted
+  }
+  const at::Tensor a = at::randn({1, 2, 4, 8}), b = at::randn({1, 2, 3, 8});
+  expect_error_containing(
+      [&] { ops::gathered_row_dot(a, at::tensor(std::vector<int64_t>{0, 4, 1}, at::kLong), b); },
+      "kvbound::gathered_row_dot: index values must lie in [0, 4)");
+  expect_error_containing([&] { ops::gathered_row_dot(a, at::zeros({2}, at::kLong), b); }, "do not match");
+  expect_error_containing([&] { ops::gathered_row_dot(a.to(at::kDouble), at::zeros({3}, at::kLong), b); },
+                          "share one dtype");
 }
 
 namespace {
