@@ -68,13 +68,7 @@ KVBOUND_VECTOR_CLONES void softmax_row(float* s, Bits* p_hi, Bits* p_lo, int64_t
   constexpr int kLanes = 16;
   const int64_t chunked = (visible + kLanes - 1) / kLanes * kLanes;  // ≤ width (a multiple of 64)
   std::fill(s + visible, s + chunked, -std::numeric_limits<float>::infinity());
-  // 16 running maxima, then one: a `reduction(max)` loop stays scalar here, one dependent max per key.
-  float lane[kLanes];
-  std::fill_n(lane, kLanes, -std::numeric_limits<float>::infinity());
-  for (int64_t k = 0; k < chunked; k += kLanes)
-#pragma omp simd
-    for (int j = 0; j < kLanes; ++j) lane[j] = lane[j] < s[k + j] ? s[k + j] : lane[j];
-  const float max = *std::max_element(lane, lane + kLanes);
+  const float max = cpu::running_max(s, chunked);
   const float log2_scale = scale * 1.44269504088896341f, shift = max * log2_scale;
   // e alone in its loop: beside the sum and the conversion GCC vectorizes it worse (measured 1.5x slower).
 #pragma omp simd

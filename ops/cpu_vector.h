@@ -9,8 +9,10 @@
 // no reductions whose order the vectorizer picks, and the kernels' files are built with -ffp-contract=off (an FMA
 // in one clone and a multiply-add in another round differently).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVBOUND_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -94,6 +96,21 @@ inline float exp2_nonpositive(float y) {
   int32_t n = integer_of_shifted(shifted);
   n = n < -127 ? -127 : n;
   return p * power_of_two(n);
+}
+
+// The largest of x[0, n), n ≥ 1, kept in 16 running maxima (lane j takes x[j], x[j + 16], …, the tail the first
+// lanes), then one: a `reduction(max)` loop stays scalar here, one dependent max per element. A NaN is never
+// taken (−∞ for a row of NaNs); callers' rows hold none.
+inline float running_max(const float* x, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  std::fill_n(lane, kLanes, -std::numeric_limits<float>::infinity());
+  const int64_t full = n - n % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes)
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) lane[j] = lane[j] < x[i + j] ? x[i + j] : lane[j];
+  for (int64_t i = full; i < n; ++i) lane[i - full] = lane[i - full] < x[i] ? x[i] : lane[i - full];
+  return *std::max_element(lane, lane + kLanes);
 }
 
 // Σ term(i) for i < n in float32 in a fixed order, whatever the ISA or the row's address: lane j of 16 sums the

@@ -164,16 +164,7 @@ void pool_probabilities(const at::Tensor& q, const at::Tensor& k, const scalar_t
 // A = e^(scale·(l − max)) / Σ; float32 by the fused kernels' exp2 (ops/cpu_vector.h, vectorized, a fixed-order
 // sum), float64 by std::exp (the tests' reference precision).
 KVBOUND_VECTOR_CLONES void softmax_prefix(float* x, int64_t visible, float scale) {
-  // 16 running maxima, then one (a `reduction(max)` loop stays scalar: one dependent max per key).
-  constexpr int kLanes = 16;
-  float lane[kLanes];
-  std::fill_n(lane, kLanes, -std::numeric_limits<float>::infinity());
-  const int64_t full = visible - visible % kLanes;
-  for (int64_t t = 0; t < full; t += kLanes)
-#pragma omp simd
-    for (int j = 0; j < kLanes; ++j) lane[j] = lane[j] < x[t + j] ? x[t + j] : lane[j];
-  for (int64_t t = full; t < visible; ++t) lane[t - full] = lane[t - full] < x[t] ? x[t] : lane[t - full];
-  const float max = *std::max_element(lane, lane + kLanes);
+  const float max = cpu::running_max(x, visible);
   const float log2_scale = scale * 1.44269504088896341f, shift = max * log2_scale;
 #pragma omp simd
   for (int64_t t = 0; t < visible; ++t) x[t] = cpu::exp2_nonpositive(x[t] * log2_scale - shift);
