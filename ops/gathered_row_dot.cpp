@@ -119,7 +119,7 @@ class GatheredRowDotFunction : public torch::autograd::Function<GatheredRowDotFu
     const at::Tensor &a = saved[0], &index = saved[1], &b = saved[2];
     const at::Tensor grad = grad_outputs[0].contiguous();
     // b's gradient in b's layout (a head-transposed view of the keys stays one); a's, the small one, dense.
-    at::Tensor grad_a = ctx->needs_input_grad(0) ? at::zeros({a.size(0), a.size(1), a.size(2), a.size(3)}, a.options())
+    at::Tensor grad_a = ctx->needs_input_grad(0) ? at::zeros(a.sizes(), a.options())
                                                  : at::Tensor();
     at::Tensor grad_b = ctx->needs_input_grad(2) ? at::empty_like(b) : at::Tensor();
     AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "gathered_row_dot_backward", [&] {

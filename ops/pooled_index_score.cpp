@@ -435,16 +435,17 @@ class PooledIndexScoreFunction : public torch::autograd::Function<PooledIndexSco
 // With act = identity, mean pooling is linear in the queries: mean_{s∈Ω(t)} q_g[s]·kI[t]/√dI =
 // kI[t]·(Σ_{s ≥ start(t)} q_g[s]) / (|Ω(t)|·√dI), q_g = Σ_{h∈g} w_h qI_h. One suffix sum over the queries gives
 // every key's sum: O(B·Hq·T·dI) work and memory instead of the kernels' O(B·Hq·T²·dI) products, the same value
-// up to the order of the sums. Autograd differentiates the few ATen ops (the backward is a prefix sum).
+// up to the order of the sums. Autograd differentiates the few ops (the backward is a prefix sum).
 // Arithmetic in float32 (float64 stays float64), like the kernels.
+// `first`: the earliest start of any Ω (PoolWindow::start(0), at most T), which pooled_index_score has checked.
 at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, int64_t window,
-                             int64_t min_gap) {
+                             int64_t min_gap, int64_t first) {
   const at::ScalarType compute = qI.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t B = qI.size(0), Hq = qI.size(1), Hk = kI.size(1), T = kI.size(2), d = qI.size(3), G = Hq / Hk;
   const int64_t offset = T - qI.size(2);  // qI's row r is query offset + r
   // Only the queries from the earliest start on are in any Ω (a window's last W, for IndexMem's training): the
   // sums run over those alone, the same additions in the same order (the suffix sum starts at the last row).
-  const int64_t first = std::min(PoolWindow{T, window, min_gap}.start(0), T), S = T - first;
+  const int64_t S = T - first;
   const at::Tensor q_eff = (qI.narrow(2, first - offset, S).to(compute).reshape({B, Hk, G, S, d}) *
                             w.narrow(2, first - offset, S).to(compute).reshape({B, Hk, G, S, 1}))
                                .sum(2);  // [B, Hk, S, d]
@@ -468,7 +469,7 @@ at::Tensor pooled_index_score(const at::Tensor& qI, const at::Tensor& kI, const 
   const int64_t first = std::min(PoolWindow{T, window, min_gap}.start(0), T);
   TORCH_CHECK(missing <= first, kOpName, ": qI and w hold the last ", qI.size(2), " of ", T,
               " queries, but the windows start at query ", first);
-  if (!relu && pool == PoolMode::Mean) return linear_mean_score(qI, kI, w, window, min_gap);
+  if (!relu && pool == PoolMode::Mean) return linear_mean_score(qI, kI, w, window, min_gap, first);
   // The kernels take every query: the missing ones, which no Ω holds, as zeros.
   const at::Tensor q_all = missing > 0 ? at::constant_pad_nd(qI, {0, 0, missing, 0}) : qI;
   const at::Tensor w_all = missing > 0 ? at::constant_pad_nd(w, {missing, 0}) : w;
