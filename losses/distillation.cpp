@@ -15,6 +15,7 @@
 
 #include "ops/amx_panels.h"
 #include "ops/bf16_dot_panels.h"
+#include "ops/bf16_product_engine.h"
 #include "ops/distillation_rows.h"
 #include "ops/onednn_linear.h"
 
@@ -168,9 +169,9 @@ DistillationHead::DistillationHead(const at::Tensor& head) : weight_(head) {
               "DistillationHead: head must be a floating-point [V, d] matrix; got ", head.sizes(), " ",
               head.scalar_type());
   const int64_t V = head.size(0), d = head.size(1);
-  if (head.is_cpu() && head.scalar_type() == at::kBFloat16 && d % 2 == 0 &&
-      (ops::amx::bf16_available() || ops::bf16_dot::available())) {
-    amx_ = ops::amx::bf16_available();
+  const ops::Bf16ProductEngine engine = ops::bf16_product_engine();
+  if (head.is_cpu() && head.scalar_type() == at::kBFloat16 && d % 2 == 0 && engine != ops::Bf16ProductEngine::kNone) {
+    amx_ = engine == ops::Bf16ProductEngine::kTiles;
     const auto pack = amx_ ? +[](const at::Tensor& rows) { return ops::amx::pack_transposed_panels(rows); }
                            : +[](const at::Tensor& rows) { return ops::bf16_dot::pack_transposed_panels(rows); };
     logit_panels_ = pack(head.contiguous());

@@ -15,6 +15,7 @@
 #include "ops/prefill_attention_operands.h"
 #include "ops/amx_panels.h"
 #include "ops/bf16_dot_panels.h"
+#include "ops/bf16_product_engine.h"
 #include "ops/bf16x3_linear.h"
 #include "ops/cpu_vector.h"
 
@@ -143,9 +144,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   // Queries per task: 64, fewer for large groups (G·queries ≤ 256 score rows); 1 for a group of more than 256.
   const int64_t queries = std::max<int64_t>(1, std::min<int64_t>(kBlock, kMaxRows / G));
   const int64_t parts = kSplit ? 2 : 1;  // tile operands per matrix: hi (and lo)
-  // The products' engine: AMX tiles where this CPU has them, else (bfloat16 alone) VDPBF16PS, whose packings of
-  // Kᵀ and V differ from oneDNN's.
-  const bool tiles = amx::bf16_available();
+  // The products' engine (ops/bf16_product_engine.h): AMX tiles, else (bfloat16 alone) VDPBF16PS, whose packings
+  // of Kᵀ and V differ from oneDNN's.
+  const bool tiles = bf16_product_engine() == Bf16ProductEngine::kTiles;
 
   // K and V packed once per (row, KV head): every query head of the group and every query block reads them.
   const auto bits = q.options().dtype(at::kBFloat16);
@@ -262,14 +263,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 bool causal_attention_cpu_supported(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
   const int64_t D = q.dim() == 4 ? q.size(3) : 0;
-  const bool engine = amx::bf16_available() || (q.scalar_type() == at::kBFloat16 && bf16_dot::available());
-  return (D == 64 || D == 128) && prefill_attention_operands(q, keys, values, kMaxKeys) && engine;
+  const Bf16ProductEngine engine = bf16_product_engine();
+  const bool served = engine == Bf16ProductEngine::kTiles ||
+                      (q.scalar_type() == at::kBFloat16 && engine == Bf16ProductEngine::kDot);
+  return (D == 64 || D == 128) && prefill_attention_operands(q, keys, values, kMaxKeys) && served;
 }
 
 bool causal_attention_cpu_fits(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) {
   if (q.dim() != 4) return false;
+  const bool tiles = bf16_product_engine() == Bf16ProductEngine::kTiles;
   const int64_t min_queries = q.scalar_type() == at::kFloat ? kMinQueriesFloat32
-                              : amx::bf16_available()        ? kMinQueriesBf16
+                              : tiles                        ? kMinQueriesBf16
                                                              : kMinQueriesBf16Dot;
   return q.size(2) >= min_queries && causal_attention_cpu_supported(q, keys, values);
 }

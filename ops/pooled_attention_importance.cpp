@@ -12,8 +12,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include "ops/amx_panels.h"
 #include "ops/bf16_dot_panels.h"
+#include "ops/bf16_product_engine.h"
 #include "ops/cpu_vector.h"
 
 #include <algorithm>
@@ -244,7 +244,7 @@ at::Tensor window_block_importance(const at::Tensor& q, const at::Tensor& k, Poo
   scalar_t* o = out.mutable_data_ptr<scalar_t>();
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (q.scalar_type() == at::kBFloat16 && q.stride(3) == 1 && k.stride(3) == 1 && D % 2 == 0 &&
-        bf16_dot::available() && !amx::bf16_available()) {
+        bf16_product_engine() == Bf16ProductEngine::kDot) {
       const int64_t panels = (T + bf16_dot::kPanel - 1) / bf16_dot::kPanel, ld = panels * bf16_dot::kPanel;
       const auto* q_bits = static_cast<const uint16_t*>(q.const_data_ptr());
       const auto* k_bits = static_cast<const uint16_t*>(k.const_data_ptr());
