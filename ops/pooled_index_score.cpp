@@ -464,6 +464,8 @@ at::Tensor linear_mean_score(const at::Tensor& qI, const at::Tensor& kI, const a
 at::Tensor pooled_index_score(const at::Tensor& qI, const at::Tensor& kI, const at::Tensor& w, PoolMode pool,
                               int64_t window, int64_t min_gap, bool relu, int64_t query_block, int64_t key_block) {
   check_inputs(qI, kI, w, /*last_queries=*/true);
+  // Checked here before the window's start is computed and the linear path taken; the registered forward checks
+  // again, as it is callable through the dispatcher on its own.
   check_window_args(kOpName, min_gap, query_block, key_block);
   const int64_t T = kI.size(2), missing = T - qI.size(2);
   const int64_t first = std::min(PoolWindow{T, window, min_gap}.start(0), T);
