@@ -248,14 +248,26 @@ namespace {
 // chunk's mask (everything cached + causal within the chunk) and a single token's (everything) alike. Formed
 // explicitly: the path of devices whose attention kernel does not hand it out, and of inputs that carry a
 // gradient (the latent memory trained end to end: a slot read's weight depends on it), which it passes on.
-at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys) {
+at::Tensor explicit_logsumexp(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& bias) {
   const std::int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const std::int64_t Hkv = keys.size(1), N = keys.size(2);
   const at::Tensor scores = at::matmul(q.to(at::kFloat).view({B, Hkv, Hq / Hkv, T, D}),
                                        keys.to(at::kFloat).transpose(-1, -2).unsqueeze(2)) /
                             std::sqrt(static_cast<double>(D));  // [B, Hkv, G, T, N]
+  if (bias.defined()) return at::logsumexp(scores + bias.view({B, Hkv, Hq / Hkv, T, N}), -1, true).view({B, Hq, T, 1});
   const at::Tensor hidden = at::ones({T, N}, q.options().dtype(at::kBool)).tril(N - T).logical_not();
   return at::logsumexp(scores.masked_fill(hidden, -INFINITY), -1, true).view({B, Hq, T, 1});
+}
+
+// A gated read's additive logits [B, Hq, T, N] (float32): (pos_q − pos_i)·rate_i where entry i is visible to
+// query q, −inf where it is not (AttentionCall::key_log_decay).
+at::Tensor gated_read_bias(const AttentionCall& call, const KVCache& cache) {
+  const at::Tensor& rate = call.key_log_decay;
+  const at::Tensor kpos = cache.positions(call.layer);
+  TORCH_CHECK(rate.sizes() == kpos.sizes(), "gated read: ", rate.sizes(), " decay rates for cache entries ", kpos.sizes());
+  const at::Tensor age = (call.positions.view({1, 1, -1, 1}) - kpos.unsqueeze(2)).to(at::kFloat);  // [B, Hkv, T, N]
+  const at::Tensor bias = (age * rate.to(at::kFloat).unsqueeze(2)).masked_fill(age < 0, -INFINITY);
+  return bias.repeat_interleave(call.q.size(1) / kpos.size(1), 1);
 }
 
 }  // namespace
@@ -273,10 +285,12 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   // faster one (a bfloat16 chunk too short for the tiles on AMX stays with SDPA).
   const bool bf16 = call.q.scalar_type() != at::kFloat;
   using Kernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor*);
+  // A gated read adds a bias per (query, entry) that neither kernel takes: SDPA's with the bias as its mask.
+  const bool gated = call.key_log_decay.defined();
   Kernel kernel = nullptr;
-  if ((call.bf16x3 || bf16) && ops::causal_attention_cpu_fits(call.q, keys, values))
+  if (!gated && (call.bf16x3 || bf16) && ops::causal_attention_cpu_fits(call.q, keys, values))
     kernel = &ops::causal_attention_cpu;
-  else if (!call.bf16x3 && ops::causal_attention_float32_fits(call.q, keys, values))
+  else if (!gated && !call.bf16x3 && ops::causal_attention_float32_fits(call.q, keys, values))
     kernel = &ops::causal_attention_float32;
   if (kernel) {
     at::Tensor lse;
@@ -285,7 +299,11 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   } else {
     std::optional<at::Tensor> mask;  // none for a first chunk (plain causal) or a single token
     bool causal = false;
-    if (T > 1 && cached == 0) {
+    at::Tensor bias;  // a gated read's, float32
+    if (gated) {
+      bias = gated_read_bias(call, cache);
+      mask = bias.to(call.q.scalar_type());
+    } else if (T > 1 && cached == 0) {
       causal = true;
     } else if (T > 1) {
       const auto opts = at::TensorOptions().dtype(at::kBool).device(call.q.device());
@@ -299,14 +317,17 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
       // torch (2.11): the test AttendOverCache.HandsOutTheLogsumexpOfWhatEachQueryAttended checks it still
       // equals SDPA bit for bit.
       std::optional<at::Tensor> additive;
-      if (mask) additive = at::zeros(mask->sizes(), call.q.options()).masked_fill(mask->logical_not(), -INFINITY);
+      if (gated)
+        additive = mask;
+      else if (mask)
+        additive = at::zeros(mask->sizes(), call.q.options()).masked_fill(mask->logical_not(), -INFINITY);
       at::Tensor lse;
       std::tie(call.output, lse) = at::_scaled_dot_product_flash_attention_for_cpu(call.q, keys, values, 0.0, causal, additive);
       call.logsumexp = lse.to(at::kFloat).unsqueeze(-1);
     } else {
       call.output = at::scaled_dot_product_attention(call.q, keys, values, mask, 0.0, causal, std::nullopt,
                                                      /*enable_gqa=*/call.q.size(1) != call.k.size(1));
-      if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys);
+      if (call.wants_logsumexp) call.logsumexp = explicit_logsumexp(call.q, keys, bias);
     }
   }
   if (hook) hook->after_attention(call, cache);

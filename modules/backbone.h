@@ -36,6 +36,11 @@ struct AttentionCall {
   // Set by a float32 backbone whose products are bf16x3 (Backbone::set_float32_products): attention's products
   // too, where ops/causal_attention_cpu takes the chunk. Calls made elsewhere (the trainers' replays) keep SDPA.
   bool bf16x3 = false;
+  // Set by a hook in before_attention (the trimkv policy's gated read, trimkv.gated_read): one log decay rate per
+  // entry the chunk will attend, [B, Hkv, N] float32 over the cached entries followed by the chunk's own. Each
+  // query's logit of entry i then gets (pos_q − pos_i)·rate_i added, the retention-gated attention the gates
+  // were trained under (β_i^(t−i)), instead of reading the retained entries plainly.
+  at::Tensor key_log_decay;
 };
 
 class AttentionHook {

@@ -63,13 +63,16 @@ bool BudgetedCache::holds_to_budget(std::int64_t layer) const {
 }
 
 void BudgetedCache::before_attention(AttentionCall& call, KVCache& cache) {
-  if (!policy_.pre_evicts() || !policy_.bounded() || cache.size(call.layer) == 0) return;
   PolicyView view;
   view.layer = call.layer;
   view.call = &call;
   view.cache = &cache;  // the older entries only: the chunk is appended after this hook
-  without_grad([&] { policy_.observe_before(view); });
-  if (holds_to_budget(call.layer) && cache.size(call.layer) > policy_.tolerated_entries(budget_of(call.layer), buffer_)) cut(view, cache);
+  if (policy_.pre_evicts() && policy_.bounded() && cache.size(call.layer) > 0) {
+    without_grad([&] { policy_.observe_before(view); });
+    if (holds_to_budget(call.layer) && cache.size(call.layer) > policy_.tolerated_entries(budget_of(call.layer), buffer_))
+      cut(view, cache);
+  }
+  call.key_log_decay = without_grad([&] { return policy_.read_log_decay(view); });
 }
 
 void BudgetedCache::after_attention(AttentionCall& call, KVCache& cache) {

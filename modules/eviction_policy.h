@@ -51,6 +51,10 @@ class EvictionPolicy {
   // sequence's first chunk, the full model's attention over the sequence (modules/hindsight_attention.h).
   virtual bool needs_hindsight() const { return false; }
   virtual void set_hindsight(Hindsight hindsight) { (void)hindsight; }
+  // A policy that also says how the cache is read (trimkv.gated_read) gives, before a chunk's attention (the cache
+  // holding the older entries only), one log decay rate per entry the chunk will attend, [B, Hkv, N + T]: the cached
+  // entries', then the chunk's own (AttentionCall::key_log_decay). Undefined (the default): a plain read.
+  virtual at::Tensor read_log_decay(const PolicyView& view) { (void)view; return {}; }
   // Keep-scores [B, Hkv, N] for the cache entries of view.layer (higher = keep).
   virtual at::Tensor score(const PolicyView& view) = 0;
   // The cache kept entries `index` [B, Hkv, M] (sorted) of `layer`: gather per-entry state.

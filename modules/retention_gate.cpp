@@ -4,10 +4,12 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/log_sigmoid.h>
 #include <ATen/ops/normal.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros.h>
 
 #include "base/errors.h"
 #include "modules/leaf_tensors.h"
+#include "modules/retention_cut.h"
 #include "ops/onednn_linear.h"
 #include "ops/retention_attention.h"
 
@@ -112,7 +114,17 @@ at::Tensor GatedAttentionHook::attend(const AttentionCall& call) {
   if (sinks_ > 0) log_beta = log_beta.masked_fill(call.positions.lt(sinks_).view({1, 1, -1}), 0.0);
   if (static_cast<std::int64_t>(log_betas_.size()) <= call.layer) log_betas_.resize(static_cast<std::size_t>(call.layer) + 1);
   log_betas_[static_cast<std::size_t>(call.layer)] = log_beta;
-  return ops::retention_attention(call.q, call.k, call.v, log_beta.to(call.q.scalar_type()));
+  if (cut_budget_ == 0) return ops::retention_attention(call.q, call.k, call.v, log_beta.to(call.q.scalar_type()));
+  TORCH_CHECK(call.start == 0, "GatedAttentionHook with a cut: the row must start at position 0");
+  // The gated attention carries the gates' gradient only (q, k, v detached), the cut forward q, k and v's.
+  const at::Tensor gated =
+      ops::retention_attention(call.q.detach(), call.k.detach(), call.v.detach(), log_beta.to(call.q.scalar_type()));
+  const std::int64_t group = call.q.size(1) / call.k.size(1);
+  const at::Tensor visible =
+      retention_cut_visibility(log_beta, RetentionCut{cut_budget_, cut_chunk_, sinks_}).repeat_interleave(group, 1);
+  const at::Tensor cut = at::scaled_dot_product_attention(call.q, call.k, call.v, visible, 0.0, false, std::nullopt,
+                                                          /*enable_gqa=*/group != 1);
+  return cut + (gated - gated.detach());
 }
 
 }  // namespace kvbound

@@ -62,11 +62,17 @@ class RetentionGates {
 
 // The training attention hook: every layer's attention becomes TRIM-KV's gated attention
 // (ops::retention_attention with this layer's log β); the log β of every layer is kept for the capacity loss.
+// With a cut (RetentionCut::budget > 0, trimkv.student: cut) the forward is instead the deployment's: plain
+// attention over the keys the trimkv policy would keep at M (modules/retention_cut.h), and the gates' gradient
+// the gated attention's (a straight-through estimate: the cut itself has none, and an evicted key must still
+// learn that it was missed).
 class GatedAttentionHook final : public AttentionHook {
  public:
   // sinks s: positions 0..s−1 keep β = 1 (log β = 0, no gradient), what the trimkv policy's trimkv.sinks
   // keeps at deployment whatever the gates say; so training neither charges nor credits the gates for them.
-  explicit GatedAttentionHook(const RetentionGates& gates, std::int64_t sinks = 0) : gates_(gates), sinks_(sinks) {}
+  explicit GatedAttentionHook(const RetentionGates& gates, std::int64_t sinks = 0, std::int64_t cut_budget = 0,
+                              std::int64_t cut_chunk = 64)
+      : gates_(gates), sinks_(sinks), cut_budget_(cut_budget), cut_chunk_(cut_chunk) {}
   bool replaces_attention() const override { return true; }
   at::Tensor attend(const AttentionCall& call) override;
   // [B, Hkv, T] per layer, from the last forward.
@@ -74,7 +80,7 @@ class GatedAttentionHook final : public AttentionHook {
 
  private:
   const RetentionGates& gates_;
-  std::int64_t sinks_;
+  std::int64_t sinks_, cut_budget_, cut_chunk_;
   std::vector<at::Tensor> log_betas_;
 };
 

@@ -5,6 +5,8 @@
 // bit-identically, exports, evaluates, and stops on NaN or a bad key.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
@@ -24,6 +26,8 @@
 #include "losses/capacity.h"
 #include "losses/future_attention.h"
 #include "modules/backbone.h"
+#include "modules/budgeted_cache.h"
+#include "modules/policies/registry.h"
 #include "modules/retention_gate.h"
 #include "ops/retention_sum.h"
 #include "golden_reader.h"
@@ -112,6 +116,87 @@ TEST(TrimKVLoss, SinkPositionsKeepBetaOneAndNoGradient) {
     EXPECT_LT(lb.narrow(2, sinks, T - sinks).max().item<double>(), -0.1);
   }
   EXPECT_GT((hidden - teacher).abs().max().item<double>(), 1e-2);
+}
+
+// The cut student's forward is the deployment's: the budgeted engine under the trimkv policy with the same gates,
+// budget, chunk and sinks gives the same hidden states; the gates still get a gradient (the gated attention's),
+// and with a budget that never binds the cut student is the teacher.
+TEST(TrimKVLoss, CutStudentForwardIsTheBudgetedEnginesAndTrainsTheGates) {
+  const std::string dir = test::test_data("trimkv");
+  KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
+  const auto model = Backbone::load(dir, at::kFloat);
+  RetentionGateSettings settings;
+  settings.bias_init = 2.0;
+  settings.init_std = 0.5;  // β spread out, so the cut depends on the gates
+  auto gates = std::make_shared<RetentionGates>(RetentionGates::init(model->config(), settings, 5));
+  at::manual_seed(5);
+  const std::int64_t T = 40, C = 8, M = 6;
+  const at::Tensor tokens = at::randint(3, model->config().vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
+  TrainedModules modules;
+  modules.add<RetentionGates>(gates);
+  for (const std::int64_t sinks : {0, 2}) {
+    GatedAttentionHook hook(*gates, sinks, M, C);
+    KVCache student_cache = model->make_cache();
+    const at::Tensor student = model->forward_hidden(tokens, student_cache, &hook);
+    auto policy = make_policy("trimkv", policy_config({"trimkv.sinks=" + std::to_string(sinks)}), modules);
+    BudgetedCache budgeted(*policy, M);
+    KVCache cache = model->make_cache();
+    std::vector<at::Tensor> chunks;
+    {
+      const at::NoGradGuard no_grad;
+      for (std::int64_t s = 0; s < T; s += C) chunks.push_back(model->forward_hidden(tokens.narrow(1, s, C), cache, &budgeted));
+    }
+    EXPECT_GT(budgeted.evictions(), 0);
+    EXPECT_LT((student.detach() - at::cat(chunks, 1)).abs().max().item<double>(), 1e-4) << "sinks " << sinks;
+    student.pow(2).sum().backward();
+    for (const auto& [name, p] : gates->named_tensors()) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_GT(p.grad().abs().max().item<double>(), 0.0) << name;
+      p.mutable_grad().reset();
+    }
+  }
+  GatedAttentionHook never_binds(*gates, 0, T, C);
+  KVCache cache = model->make_cache();
+  EXPECT_LT((model->forward_hidden(tokens, cache, &never_binds) - model->teacher_hidden(tokens)).abs().max().item<double>(), 1e-5);
+}
+
+// trimkv.gated_read reads the kept entries as the soft student attends: under a budget that never binds, the
+// chunked budgeted forward equals the student's gated attention over the whole row (sinks included); under one
+// that binds it is neither that nor the plain read.
+TEST(TrimKVPolicy, GatedReadIsTheSoftStudentsAttention) {
+  const std::string dir = test::test_data("trimkv");
+  KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
+  const auto model = Backbone::load(dir, at::kFloat);
+  RetentionGateSettings settings;
+  settings.bias_init = 2.0;
+  settings.init_std = 0.5;
+  auto gates = std::make_shared<RetentionGates>(RetentionGates::init(model->config(), settings, 6));
+  at::manual_seed(6);
+  const std::int64_t T = 40, C = 8;
+  const at::Tensor tokens = at::randint(3, model->config().vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
+  TrainedModules modules;
+  modules.add<RetentionGates>(gates);
+  const at::NoGradGuard no_grad;
+  const auto budgeted_forward = [&](std::int64_t budget, std::int64_t sinks, bool gated) {
+    auto policy = make_policy("trimkv", policy_config({"trimkv.sinks=" + std::to_string(sinks),
+                                                       std::string("trimkv.gated_read=") + (gated ? "true" : "false")}),
+                              modules);
+    BudgetedCache budgeted(*policy, budget);
+    KVCache cache = model->make_cache();
+    std::vector<at::Tensor> chunks;
+    for (std::int64_t s = 0; s < T; s += C) chunks.push_back(model->forward_hidden(tokens.narrow(1, s, C), cache, &budgeted));
+    return at::cat(chunks, 1);
+  };
+  for (const std::int64_t sinks : {0, 3}) {
+    GatedAttentionHook hook(*gates, sinks);
+    KVCache cache = model->make_cache();
+    const at::Tensor student = model->forward_hidden(tokens, cache, &hook);
+    EXPECT_LT((budgeted_forward(T, sinks, true) - student).abs().max().item<double>(), 1e-4) << "sinks " << sinks;
+    EXPECT_GT((budgeted_forward(T, sinks, false) - student).abs().max().item<double>(), 1e-2) << "sinks " << sinks;
+  }
+  const at::Tensor cut_gated = budgeted_forward(6, 0, true), cut_plain = budgeted_forward(6, 0, false);
+  EXPECT_GT((cut_gated - cut_plain).abs().max().item<double>(), 1e-2);
+  EXPECT_GT((cut_gated - budgeted_forward(T, 0, true)).abs().max().item<double>(), 1e-2);
 }
 
 TEST(FutureAttentionLoss, EqualsTheFormulaByLoopsAndSkipsPaddedCuts) {

@@ -57,7 +57,7 @@ StepLoss TrimKVMethod::loss(const Batch& batch) {
     future.weights = batch.weights;
   }
   const at::Tensor teacher_hidden = model_.teacher_hidden(batch.inputs, with_future ? &future : nullptr);
-  GatedAttentionHook hook(*gates_, settings_.sinks);
+  GatedAttentionHook hook(*gates_, settings_.sinks, settings_.cut_budget, settings_.cut_chunk);
   KVCache cache = model_.make_cache();
   const at::Tensor student_hidden = model_.forward_hidden(batch.inputs, cache, &hook);
   // The ce term is always logged; its gradient (one more product into the head per block) only when it is used.
@@ -145,6 +145,22 @@ std::unique_ptr<TrainingMethod> make(MethodSetup& setup) {
   if (t.loss_block_rows < 1) fail("config", "train.loss_block_rows", "must be >= 1");
   t.sinks = c.get_int("trimkv.sinks");  // the policy's key: training and deployment keep the same sinks
   if (t.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
+  t.cut_budget = c.get_int("trimkv.cut_budget");
+  t.cut_chunk = c.get_int("trimkv.cut_chunk");
+  if (t.cut_budget < 0) fail("config", "trimkv.cut_budget", "must be >= 0");
+  if (t.cut_chunk < 1) fail("config", "trimkv.cut_chunk", "must be >= 1");
+  // The cut student simulates the policy's plain rules only.
+  if (t.cut_budget > 0) {
+    const auto plain_only = [](const std::string& key, const std::string& plain) {
+      fail("config", key, "must stay " + plain + " with trimkv.cut_budget > 0 (the cut student simulates the plain policy)");
+    };
+    if (c.get_string("trimkv.cut") != "exceeds") plain_only("trimkv.cut", "exceeds");
+    if (c.get_int("trimkv.score_offset") != 0) plain_only("trimkv.score_offset", "0");
+    if (c.get_int("trimkv.lookahead") != 1) plain_only("trimkv.lookahead", "1");
+    if (c.get_int("trimkv.sliding_window") != 0) plain_only("trimkv.sliding_window", "0");
+    if (c.get_float("trimkv.attention_weight") != 0) plain_only("trimkv.attention_weight", "0");
+    if (c.get_bool("trimkv.gated_read")) plain_only("trimkv.gated_read", "false");
+  }
   t.policy_config = c;
   // Optional: continue from earlier gates (a run folder or an export), e.g. to fine-tune under another loss.
   if (c.get_string("train.init_from").empty()) return std::make_unique<TrimKVMethod>(setup.model, t, setup.seed);
@@ -169,7 +185,11 @@ extern const MethodRegistration trimkv{
           .add("trimkv.lambda_cap", ConfigType::Float, "1.0", "weight of the capacity loss")
           .add("trimkv.w_future", ConfigType::Float, "0.0",
                "weight of the hindsight ranking loss (retention vs the full model's later attention)")
-          .add("trimkv.future_stride", ConfigType::Int, "64", "cut points of that loss: every stride-th position");
+          .add("trimkv.future_stride", ConfigType::Int, "64", "cut points of that loss: every stride-th position")
+          .add("trimkv.cut_budget", ConfigType::Int, "0",
+               "M of the cut student: the forward the trimkv policy's cut at M gives, the gradient the gated attention's "
+               "(0: the soft student)")
+          .add("trimkv.cut_chunk", ConfigType::Int, "64", "the cut student's chunk: cut after every C positions, as eval.chunk_size");
     },
     [](ConfigSchema& s) {
       s.add("trimkv.gates", ConfigType::String, "\"\"", "trimkv: gates file from `kvbound export` (required by policy trimkv)");

@@ -1,5 +1,6 @@
 // TRIM-KV training (DESIGN.md, "TRIM-KV"): the teacher is the frozen backbone with plain causal attention
-// (no grad); the student is the same backbone whose attention is the gated retention attention;
+// (no grad); the student is the same backbone whose attention is the gated retention attention (or, with
+// trimkv.cut_budget, the deployment's cut forward with the gated attention's gradient: GatedAttentionHook);
 //   L = w_kl · KL(p_teacher ‖ p_student) + w_ntp · CE + λ_cap · L_cap(M_train) + w_future · L_future,
 // L_future the hindsight ranking loss (losses/future_attention.h) against the teacher's own attention.
 // Registered as train.method trimkv (train/trimkv_method.cpp); evaluated by the trimkv policy.
@@ -23,6 +24,8 @@ struct TrimKVSettings {
   std::int64_t future_stride = 64;     // trimkv.future_stride: its cut points t = stride − 1, 2·stride − 1, …
   std::int64_t loss_block_rows = 128;  // positions whose vocabulary logits exist at once
   std::int64_t sinks = 0;              // trimkv.sinks: positions the student keeps at β = 1, as the policy does
+  std::int64_t cut_budget = 0;         // trimkv.cut_budget: the cut student's M (0: the soft student)
+  std::int64_t cut_chunk = 64;         // trimkv.cut_chunk: its chunk C
   Config policy_config = kvbound::policy_config();  // the trimkv policy's keys, for the periodic eval
 };
 

@@ -17,6 +17,10 @@
 // attention sinks StreamingLLM keeps) whatever their gates say; trimkv.attention_weight α > 0 adds α·log of the
 // entry's mean received attention (h2o's statistic) to its keep-score, ranking by β^(t+o−pos)·attention^α: the
 // gate's prediction from the token itself weighed with the evidence of what the queries so far attended.
+// trimkv.gated_read changes how the kept entries are read rather than which are kept: each query's logit of entry i
+// gets (pos_q − pos_i)·log β_i added, the retention-gated attention the gates were trained under (the official
+// package's rg_attn_flex with kv_positions), instead of plain attention over what is left.
+#include <ATen/ops/cat.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/expm1.h>
 #include <ATen/ops/full_like.h>
@@ -42,6 +46,7 @@ struct TrimKVOptions {
   std::int64_t sliding_window = 0;
   std::int64_t sinks = 0;
   double attention_weight = 0;
+  bool gated_read = false;
 };
 
 TrimKVOptions trimkv_options(const Config& c) {
@@ -57,6 +62,7 @@ TrimKVOptions trimkv_options(const Config& c) {
   o.sinks = c.get_int("trimkv.sinks");
   if (o.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
   o.attention_weight = read_attention_weight(c, "trimkv.attention_weight");
+  o.gated_read = c.get_bool("trimkv.gated_read");
   return o;
 }
 
@@ -76,12 +82,19 @@ class TrimKV final : public EvictionPolicy {
 
   bool needs_attention() const override { return options_.attention_weight > 0; }
 
+  at::Tensor read_log_decay(const PolicyView& v) override {
+    if (!options_.gated_read) return {};
+    chunk_log_beta_ = chunk_log_beta(v);
+    if (v.cache->size(v.layer) == 0) return chunk_log_beta_;
+    return at::cat({log_beta_.get(v.layer), chunk_log_beta_}, -1);
+  }
+
   void observe(const PolicyView& v) override {
     if (needs_attention()) attention_.observe(v);
     const std::int64_t n = v.cache->size(v.layer), t = v.call->positions.size(0);
     const at::Tensor kpos = v.cache->positions(v.layer);
     at::Tensor& log_beta = log_beta_.extend(v.layer, n, kpos.to(at::kFloat));
-    log_beta.narrow(-1, n - t, t).copy_(gates_->log_beta(v.layer, v.call->normed_input));
+    log_beta.narrow(-1, n - t, t).copy_(options_.gated_read ? chunk_log_beta_ : chunk_log_beta(v));
   }
 
   at::Tensor score(const PolicyView& v) override {
@@ -105,6 +118,13 @@ class TrimKV final : public EvictionPolicy {
   }
 
  private:
+  // The chunk's log β [B, Hkv, T]; 0 (β = 1) at the sinks, as the student had them in training.
+  at::Tensor chunk_log_beta(const PolicyView& v) const {
+    at::Tensor log_beta = gates_->log_beta(v.layer, v.call->normed_input);
+    if (options_.sinks > 0) log_beta.masked_fill_(v.call->positions.view({1, 1, -1}) < options_.sinks, 0);
+    return log_beta;
+  }
+
   at::Tensor lookahead_score(const at::Tensor& age, const at::Tensor& log_beta) const {
     const at::Tensor eps = at::full_like(log_beta, -1e-9);
     const at::Tensor steps = log_beta * static_cast<double>(options_.lookahead);
@@ -115,6 +135,7 @@ class TrimKV final : public EvictionPolicy {
   std::shared_ptr<const RetentionGates> gates_;
   TrimKVOptions options_;
   PerEntryState log_beta_;
+  at::Tensor chunk_log_beta_;  // gated_read: the chunk's, from read_log_decay to observe
   MeanReceivedAttention attention_;  // trimkv.attention_weight > 0 only
 };
 
@@ -136,7 +157,10 @@ extern const PolicyRegistration trimkv{
                "trimkv training: the student keeps them at beta = 1")
           .add("trimkv.attention_weight", ConfigType::Float, "0",
                "trimkv policy: add this times log(mean received attention), h2o's statistic, to the keep-score (0: off; "
-               "kvbound's rule, not the official cache's)");
+               "kvbound's rule, not the official cache's)")
+          .add("trimkv.gated_read", ConfigType::Bool, "false",
+               "trimkv policy: read the kept entries as in training, each query's logit of entry i plus (pos_q - pos_i)·log β_i "
+               "(the official rg_attn_flex with kv_positions; false: plain attention)");
     },
     [](const Config& c, const TrainedModules& modules) -> PolicyMaker {
       const TrimKVOptions options = trimkv_options(c);
