@@ -2,7 +2,7 @@
 // chunks of C, as the budgeted engine prefills it (modules/budgeted_cache.h), each chunk attending the kept entries
 // plus itself (causal), then the cache cut back to the M entries of highest (t − pos)·log β at the chunk's last
 // position t (the policy's `exceeds` rule, buffer 0; positions below `sinks` always kept; ties to the later entry).
-// The TRIM-KV trainer's cut student (trimkv.student: cut) attends under this mask, so its forward is the deployment's.
+// The TRIM-KV trainer's cut student (trimkv.cut_budget > 0) attends under this mask, so its forward is the deployment's.
 #pragma once
 #include <ATen/core/Tensor.h>
 

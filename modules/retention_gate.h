@@ -62,7 +62,7 @@ class RetentionGates {
 
 // The training attention hook: every layer's attention becomes TRIM-KV's gated attention
 // (ops::retention_attention with this layer's log β); the log β of every layer is kept for the capacity loss.
-// With a cut (RetentionCut::budget > 0, trimkv.student: cut) the forward is instead the deployment's: plain
+// With a cut (RetentionCut::budget > 0: trimkv.cut_budget) the forward is instead the deployment's: plain
 // attention over the keys the trimkv policy would keep at M (modules/retention_cut.h), and the gates' gradient
 // the gated attention's (a straight-through estimate: the cut itself has none, and an evicted key must still
 // learn that it was missed).
