@@ -118,46 +118,67 @@ TEST(TrimKVLoss, SinkPositionsKeepBetaOneAndNoGradient) {
   EXPECT_GT((hidden - teacher).abs().max().item<double>(), 1e-2);
 }
 
+// The tiny TRIM-KV model with gates whose β spread out (so a cut depends on them) and a random row of T tokens:
+// the row through the student (GatedAttentionHook) or through the budgeted engine in chunks of C under the trimkv
+// policy with the same gates.
+struct SpreadGatesRow {
+  SpreadGatesRow(std::unique_ptr<Backbone> backbone, std::uint64_t seed, std::int64_t length, std::int64_t chunk)
+      : model(std::move(backbone)), T(length), C(chunk) {
+    RetentionGateSettings settings;
+    settings.bias_init = 2.0;
+    settings.init_std = 0.5;
+    gates = std::make_shared<RetentionGates>(RetentionGates::init(model->config(), settings, seed));
+    modules.add<RetentionGates>(gates);
+    at::manual_seed(seed);
+    tokens = at::randint(3, model->config().vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
+  }
+  at::Tensor student(GatedAttentionHook& hook) const {
+    KVCache cache = model->make_cache();
+    return model->forward_hidden(tokens, cache, &hook);
+  }
+  // Without autograd; `evictions`, when given, receives the engine's count.
+  at::Tensor budgeted(std::int64_t budget, const std::vector<std::string>& policy_keys, std::int64_t* evictions = nullptr) const {
+    const at::NoGradGuard no_grad;
+    auto policy = make_policy("trimkv", policy_config(policy_keys), modules);
+    BudgetedCache engine(*policy, budget);
+    KVCache cache = model->make_cache();
+    std::vector<at::Tensor> chunks;
+    for (std::int64_t s = 0; s < T; s += C) chunks.push_back(model->forward_hidden(tokens.narrow(1, s, C), cache, &engine));
+    if (evictions) *evictions = engine.evictions();
+    return at::cat(chunks, 1);
+  }
+
+  std::unique_ptr<Backbone> model;
+  std::int64_t T, C;
+  std::shared_ptr<RetentionGates> gates;
+  TrainedModules modules;
+  at::Tensor tokens;
+};
+
 // The cut student's forward is the deployment's: the budgeted engine under the trimkv policy with the same gates,
 // budget, chunk and sinks gives the same hidden states; the gates still get a gradient (the gated attention's),
 // and with a budget that never binds the cut student is the teacher.
 TEST(TrimKVLoss, CutStudentForwardIsTheBudgetedEnginesAndTrainsTheGates) {
   const std::string dir = test::test_data("trimkv");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
-  const auto model = Backbone::load(dir, at::kFloat);
-  RetentionGateSettings settings;
-  settings.bias_init = 2.0;
-  settings.init_std = 0.5;  // β spread out, so the cut depends on the gates
-  auto gates = std::make_shared<RetentionGates>(RetentionGates::init(model->config(), settings, 5));
-  at::manual_seed(5);
-  const std::int64_t T = 40, C = 8, M = 6;
-  const at::Tensor tokens = at::randint(3, model->config().vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
-  TrainedModules modules;
-  modules.add<RetentionGates>(gates);
+  const SpreadGatesRow row(Backbone::load(dir, at::kFloat), 5, 40, 8);
+  const std::int64_t M = 6;
   for (const std::int64_t sinks : {0, 2}) {
-    GatedAttentionHook hook(*gates, sinks, M, C);
-    KVCache student_cache = model->make_cache();
-    const at::Tensor student = model->forward_hidden(tokens, student_cache, &hook);
-    auto policy = make_policy("trimkv", policy_config({"trimkv.sinks=" + std::to_string(sinks)}), modules);
-    BudgetedCache budgeted(*policy, M);
-    KVCache cache = model->make_cache();
-    std::vector<at::Tensor> chunks;
-    {
-      const at::NoGradGuard no_grad;
-      for (std::int64_t s = 0; s < T; s += C) chunks.push_back(model->forward_hidden(tokens.narrow(1, s, C), cache, &budgeted));
-    }
-    EXPECT_GT(budgeted.evictions(), 0);
-    EXPECT_LT((student.detach() - at::cat(chunks, 1)).abs().max().item<double>(), 1e-4) << "sinks " << sinks;
+    GatedAttentionHook hook(*row.gates, sinks, M, row.C);
+    const at::Tensor student = row.student(hook);
+    std::int64_t evictions = 0;
+    const at::Tensor deployed = row.budgeted(M, {"trimkv.sinks=" + std::to_string(sinks)}, &evictions);
+    EXPECT_GT(evictions, 0);
+    EXPECT_LT((student.detach() - deployed).abs().max().item<double>(), 1e-4) << "sinks " << sinks;
     student.pow(2).sum().backward();
-    for (const auto& [name, p] : gates->named_tensors()) {
+    for (const auto& [name, p] : row.gates->named_tensors()) {
       ASSERT_TRUE(p.grad().defined()) << name;
       EXPECT_GT(p.grad().abs().max().item<double>(), 0.0) << name;
       p.mutable_grad().reset();
     }
   }
-  GatedAttentionHook never_binds(*gates, 0, T, C);
-  KVCache cache = model->make_cache();
-  EXPECT_LT((model->forward_hidden(tokens, cache, &never_binds) - model->teacher_hidden(tokens)).abs().max().item<double>(), 1e-5);
+  GatedAttentionHook never_binds(*row.gates, 0, row.T, row.C);
+  EXPECT_LT((row.student(never_binds) - row.model->teacher_hidden(row.tokens)).abs().max().item<double>(), 1e-5);
 }
 
 // trimkv.gated_read reads the kept entries as the soft student attends: under a budget that never binds, the
@@ -166,37 +187,20 @@ TEST(TrimKVLoss, CutStudentForwardIsTheBudgetedEnginesAndTrainsTheGates) {
 TEST(TrimKVPolicy, GatedReadIsTheSoftStudentsAttention) {
   const std::string dir = test::test_data("trimkv");
   KVBOUND_REQUIRE_FILE(dir + "/model.safetensors");
-  const auto model = Backbone::load(dir, at::kFloat);
-  RetentionGateSettings settings;
-  settings.bias_init = 2.0;
-  settings.init_std = 0.5;
-  auto gates = std::make_shared<RetentionGates>(RetentionGates::init(model->config(), settings, 6));
-  at::manual_seed(6);
-  const std::int64_t T = 40, C = 8;
-  const at::Tensor tokens = at::randint(3, model->config().vocab_size, {2, T}, at::TensorOptions().dtype(at::kLong));
-  TrainedModules modules;
-  modules.add<RetentionGates>(gates);
+  const SpreadGatesRow row(Backbone::load(dir, at::kFloat), 6, 40, 8);
   const at::NoGradGuard no_grad;
-  const auto budgeted_forward = [&](std::int64_t budget, std::int64_t sinks, bool gated) {
-    auto policy = make_policy("trimkv", policy_config({"trimkv.sinks=" + std::to_string(sinks),
-                                                       std::string("trimkv.gated_read=") + (gated ? "true" : "false")}),
-                              modules);
-    BudgetedCache budgeted(*policy, budget);
-    KVCache cache = model->make_cache();
-    std::vector<at::Tensor> chunks;
-    for (std::int64_t s = 0; s < T; s += C) chunks.push_back(model->forward_hidden(tokens.narrow(1, s, C), cache, &budgeted));
-    return at::cat(chunks, 1);
+  const auto budgeted = [&](std::int64_t budget, std::int64_t sinks, bool gated) {
+    return row.budgeted(budget, {"trimkv.sinks=" + std::to_string(sinks), std::string("trimkv.gated_read=") + (gated ? "true" : "false")});
   };
   for (const std::int64_t sinks : {0, 3}) {
-    GatedAttentionHook hook(*gates, sinks);
-    KVCache cache = model->make_cache();
-    const at::Tensor student = model->forward_hidden(tokens, cache, &hook);
-    EXPECT_LT((budgeted_forward(T, sinks, true) - student).abs().max().item<double>(), 1e-4) << "sinks " << sinks;
-    EXPECT_GT((budgeted_forward(T, sinks, false) - student).abs().max().item<double>(), 1e-2) << "sinks " << sinks;
+    GatedAttentionHook hook(*row.gates, sinks);
+    const at::Tensor student = row.student(hook);
+    EXPECT_LT((budgeted(row.T, sinks, true) - student).abs().max().item<double>(), 1e-4) << "sinks " << sinks;
+    EXPECT_GT((budgeted(row.T, sinks, false) - student).abs().max().item<double>(), 1e-2) << "sinks " << sinks;
   }
-  const at::Tensor cut_gated = budgeted_forward(6, 0, true), cut_plain = budgeted_forward(6, 0, false);
+  const at::Tensor cut_gated = budgeted(6, 0, true), cut_plain = budgeted(6, 0, false);
   EXPECT_GT((cut_gated - cut_plain).abs().max().item<double>(), 1e-2);
-  EXPECT_GT((cut_gated - budgeted_forward(T, 0, true)).abs().max().item<double>(), 1e-2);
+  EXPECT_GT((cut_gated - budgeted(row.T, 0, true)).abs().max().item<double>(), 1e-2);
 }
 
 TEST(FutureAttentionLoss, EqualsTheFormulaByLoopsAndSkipsPaddedCuts) {
