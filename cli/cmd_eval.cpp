@@ -51,6 +51,8 @@ SweepSettings sweep_settings(const Config& c) {
   s.continuation.buffer = c.get_int("eval.buffer");
   s.continuation.budgeted_layers = c.get_int_list("eval.budgeted_layers");
   s.continuation.layer_budget_shares = c.get_float_list("eval.layer_budget_shares");
+  if (const std::string scope = c.get_string("eval.budget_scope"); scope != "policy")
+    s.continuation.budget_scope = parse_budget_scope(scope, "eval.budget_scope");
   s.retrieval.context_len = c.get_int("eval.retrieval.context_len");
   s.retrieval.depths = c.get_float_list("eval.retrieval.depths");
   s.retrieval.samples_per_depth = c.get_int("eval.retrieval.samples");
@@ -58,6 +60,7 @@ SweepSettings sweep_settings(const Config& c) {
   s.retrieval.buffer = s.continuation.buffer;
   s.retrieval.budgeted_layers = s.continuation.budgeted_layers;
   s.retrieval.layer_budget_shares = s.continuation.layer_budget_shares;
+  s.retrieval.budget_scope = s.continuation.budget_scope;
   s.retrieval.seed = s.seed;
   return s;
 }

@@ -21,6 +21,7 @@
 
 #include "cli/parse_arguments.h"
 #include "base/errors.h"
+#include "modules/budgeted_cache.h"
 #include "base/usable_cores.h"
 #include "train/run_checkpoint.h"
 #include "data/tokenizer.h"
@@ -75,6 +76,8 @@ PeriodicEvalSettings periodic_eval(const Config& c, const Backbone& model, const
   e.every = c.get_int("train.eval_every");
   e.continuation.prefill_len = e.continuation.score_from = c.get_int("train.eval_prefill_len");
   e.continuation.chunk_size = c.get_int("train.eval_chunk_size");
+  if (const std::string scope = c.get_string("train.eval_budget_scope"); scope != "policy")
+    e.continuation.budget_scope = parse_budget_scope(scope, "train.eval_budget_scope");
   const std::string text = c.get_string("data.eval_text");
   if (text.empty()) return e;
   if (e.budget < 1) fail("config", "train.eval_budget", "must be >= 1");

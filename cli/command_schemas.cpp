@@ -52,6 +52,7 @@ ConfigSchema train_schema() {
       .add("train.keep_checkpoints", ConfigType::Int, "3", "checkpoint files kept")
       .add("train.eval_every", ConfigType::Int, "50", "updates between budgeted evals (0: only at the end)")
       .add("train.eval_budget", ConfigType::Int, "128", "deployment budget M of the periodic eval")
+      .add("train.eval_budget_scope", ConfigType::String, "policy", "what the periodic eval's M bounds (as eval.budget_scope)")
       .add("train.eval_windows", ConfigType::Int, "4", "held-out windows per eval")
       .add("train.eval_context_len", ConfigType::Int, "256", "eval window length (BOS included)")
       .add("train.eval_prefill_len", ConfigType::Int, "128", "eval prefill (then teacher-forced decode, scored)")
@@ -84,6 +85,11 @@ ConfigSchema eval_schema() {
       .add("eval.layer_budget_shares", ConfigType::FloatList, "[]",
            "one share per layer: budget M gives layer l its share of the L*M entries ([]: M in every layer; "
            "`kvbound inspect --layer-shares` derives shares from trained gates)")
+      .add("eval.budget_scope", ConfigType::String, "policy",
+           "what M bounds for every policy: head (every layer and KV head holds M), layer (a layer's KV heads share "
+           "Hkv*M: Ada-KV) or model (every head of every layer shares L*Hkv*M: the official DynamicBudgetTrimKVCache); "
+           "policy: each policy's own (trimkv.budget_scope; head for the others). The pooled two compare scores across "
+           "heads, take no +mem policy, and keep the peak KV of head")
       .add("eval.num_windows", ConfigType::Int, "8", "continuation windows (random paragraph starts)")
       .add("eval.seed", ConfigType::Int, "0", "seed for windows, retrieval cases and random policies")
       .add("eval.out_dir", ConfigType::String, "runs/eval", "output folder")

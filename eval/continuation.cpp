@@ -53,7 +53,8 @@ void run_continuation(const Backbone& model, EvictionPolicy& policy, std::int64_
   check(settings, T);
   BudgetedHook hook(policy, budget, settings.buffer, settings.budgeted_layers,
                     settings.layer_budget_shares.empty() ? std::vector<std::int64_t>{}
-                                                         : apportion_budget(budget, settings.layer_budget_shares));
+                                                         : apportion_budget(budget, settings.layer_budget_shares),
+                    settings.budget_scope.value_or(policy.budget_scope()));
   KVCache cache = model.make_cache();
   // On the device once: a host tensor would be copied (a synchronising copy) for every decoded token. The
   // reference pass has checked these ids against the vocabulary.

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "modules/backbone.h"
@@ -20,6 +21,9 @@ struct ContinuationSettings {
   std::int64_t buffer = 0;
   std::vector<std::int64_t> budgeted_layers;  // the layers held to the budget (empty: every layer)
   std::vector<double> layer_budget_shares;    // each layer's share of the L·M entries (empty: M in every layer)
+  // What M bounds for every policy (each head, each layer's heads, or the model's); unset: each policy's own
+  // (EvictionPolicy::budget_scope).
+  std::optional<BudgetScope> budget_scope;
 };
 
 // The full-cache log-probabilities [S, V] of the scored positions of one window (computed once).

@@ -88,7 +88,8 @@ std::string answer_retrieval(const Backbone& model, const Tokenizer& tokenizer, 
                              const Hindsight& hindsight) {
   if (policy.needs_hindsight()) policy.set_hindsight(hindsight);
   BudgetedHook hook(policy, budget, s.buffer, s.budgeted_layers,
-                    s.layer_budget_shares.empty() ? std::vector<std::int64_t>{} : apportion_budget(budget, s.layer_budget_shares));
+                    s.layer_budget_shares.empty() ? std::vector<std::int64_t>{} : apportion_budget(budget, s.layer_budget_shares),
+                    s.budget_scope.value_or(policy.budget_scope()));
   return tokenizer.decode(greedy_answer(model, tokenizer, hook.get(), s, c.prompt));
 }
 

@@ -3,6 +3,7 @@
 // Exact match of the first number in the answer. Deterministic for a seed.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,9 @@ struct RetrievalSettings {
   std::int64_t buffer = 0;
   std::vector<std::int64_t> budgeted_layers;  // the layers held to the budget (empty: every layer)
   std::vector<double> layer_budget_shares;    // each layer's share of the L·M entries (empty: M in every layer)
+  // What M bounds for every policy (each head, each layer's heads, or the model's); unset: each policy's own
+  // (EvictionPolicy::budget_scope).
+  std::optional<BudgetScope> budget_scope;
   std::int64_t answer_tokens = 8;
   std::uint64_t seed = 0;
 };

@@ -270,6 +270,15 @@ at::Tensor gated_read_bias(const AttentionCall& call, const KVCache& cache) {
   return bias.repeat_interleave(call.q.size(1) / kpos.size(1), 1);
 }
 
+// The additive mask [B, Hq, T, N] (float32) of a layer some of whose heads hold padding slots (KVCache::padded):
+// 0 where entry i's position is at or before the query's, −inf elsewhere (a padding slot's position is never).
+at::Tensor position_mask(const AttentionCall& call, const KVCache& cache) {
+  const at::Tensor kpos = cache.positions(call.layer);
+  const at::Tensor hidden = kpos.unsqueeze(2) > call.positions.view({1, 1, -1, 1});  // [B, Hkv, T, N]
+  const at::Tensor bias = at::zeros(hidden.sizes(), call.q.options().dtype(at::kFloat)).masked_fill(hidden, -INFINITY);
+  return bias.repeat_interleave(call.q.size(1) / kpos.size(1), 1);
+}
+
 }  // namespace
 
 void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook) {
@@ -285,8 +294,9 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
   // faster one (a bfloat16 chunk too short for the tiles on AMX stays with SDPA).
   const bool bf16 = call.q.scalar_type() != at::kFloat;
   using Kernel = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor*);
-  // A gated read adds a bias per (query, entry) that neither kernel takes: SDPA's with the bias as its mask.
-  const bool gated = call.key_log_decay.defined();
+  // A gated read adds a bias per (query, entry) that neither kernel takes, and a layer with padding slots needs its
+  // mask by position: SDPA's with the bias as its mask.
+  const bool gated = call.key_log_decay.defined() || cache.padded(call.layer);
   Kernel kernel = nullptr;
   if (!gated && (call.bf16x3 || bf16) && ops::causal_attention_cpu_fits(call.q, keys, values))
     kernel = &ops::causal_attention_cpu;
@@ -301,7 +311,7 @@ void attend_over_cache(AttentionCall& call, KVCache& cache, AttentionHook* hook)
     bool causal = false;
     at::Tensor bias;  // a gated read's, float32
     if (gated) {
-      bias = gated_read_bias(call, cache);
+      bias = call.key_log_decay.defined() ? gated_read_bias(call, cache) : position_mask(call, cache);
       mask = bias.to(call.q.scalar_type());
     } else if (T > 1 && cached == 0) {
       causal = true;

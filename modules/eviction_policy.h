@@ -28,6 +28,13 @@ struct PolicyView {
   at::Tensor probs;
 };
 
+// What the budget M bounds. `head`: every (layer, KV head) holds at most M entries. `layer`: a layer's KV heads
+// share M·Hkv entries, the policy's top scores over all of them (Ada-KV's allocation). `model`: every head of every
+// layer shares M·Hkv·L entries, cut once all layers have seen a chunk (the official package's
+// DynamicBudgetTrimKVCache). The pooled scopes compare scores across heads (and layers), so they suit a policy
+// whose scores mean the same in every head; the cache holds as many entries as under `head` (BudgetedCache).
+enum class BudgetScope { Head, Layer, Model };
+
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
@@ -55,6 +62,8 @@ class EvictionPolicy {
   // holding the older entries only), one log decay rate per entry the chunk will attend, [B, Hkv, N + T]: the cached
   // entries', then the chunk's own (AttentionCall::key_log_decay). Undefined (the default): a plain read.
   virtual at::Tensor read_log_decay(const PolicyView& view) { (void)view; return {}; }
+  // The scope the policy is served under unless the eval names one for every policy (eval.budget_scope).
+  virtual BudgetScope budget_scope() const { return BudgetScope::Head; }
   // Keep-scores [B, Hkv, N] for the cache entries of view.layer (higher = keep).
   virtual at::Tensor score(const PolicyView& view) = 0;
   // The cache kept entries `index` [B, Hkv, M] (sorted) of `layer`: gather per-entry state.

@@ -3,7 +3,11 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/any.h>
 #include <ATen/ops/gather.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/masked_fill.h>
+#include <ATen/ops/sum.h>
 
 
 namespace kvbound {
@@ -80,6 +84,24 @@ void KVCache::retain(std::int64_t layer, const at::Tensor& index) {
   L.length = M;
 }
 
+void KVCache::retain(std::int64_t layer, const at::Tensor& index, const at::Tensor& live) {
+  TORCH_CHECK(live.sizes() == index.sizes() && live.scalar_type() == at::kBool, "KVCache::retain: live must be bool like index");
+  retain(layer, index);
+  Layer& L = layers_.at(layer);
+  const bool any_padding = live.logical_not().any().item<bool>();
+  if (any_padding) {
+    const at::Tensor pos = positions(layer).masked_fill(live.logical_not(), kPaddingPosition);
+    if (tracked(L.k) || tracked(L.v)) L.pos = pos;
+    else L.pos.narrow(2, 0, L.length).copy_(pos);
+  }
+  L.padded = any_padding;
+}
+
+at::Tensor KVCache::live_entries(std::int64_t layer) const {
+  const at::Tensor pos = positions(layer);
+  return (pos < kPaddingPosition).sum(-1);
+}
+
 at::Tensor KVCache::keys(std::int64_t layer) const {
   const Layer& L = layers_.at(layer);
   return L.k.defined() ? L.k.narrow(2, 0, L.length) : at::Tensor();
@@ -95,8 +117,13 @@ at::Tensor KVCache::positions(std::int64_t layer) const {
 
 std::int64_t KVCache::live_bytes() const {
   std::int64_t total = 0;
-  for (const Layer& L : layers_)
-    if (L.k.defined()) total += 2 * L.length * L.k.size(0) * L.k.size(1) * L.k.size(3) * static_cast<std::int64_t>(L.k.element_size());
+  for (std::size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    if (!L.k.defined()) continue;
+    const std::int64_t entries = L.padded ? live_entries(static_cast<std::int64_t>(l)).sum().item<std::int64_t>()
+                                          : L.length * L.k.size(0) * L.k.size(1);
+    total += 2 * entries * L.k.size(3) * static_cast<std::int64_t>(L.k.element_size());
+  }
   return total;
 }
 

@@ -7,9 +7,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace kvbound {
+
+// The position of a padding slot. A pooled budget (BudgetedCache's layer and model scopes) lets the heads of a
+// layer hold different numbers of entries; the layer's tensors are as wide as its fullest head, and a head's
+// slots past its own entries carry this position, which no query reaches, so attention never sees them.
+inline constexpr std::int64_t kPaddingPosition = std::numeric_limits<std::int64_t>::max() / 4;
 
 class KVCache {
  public:
@@ -20,6 +26,12 @@ class KVCache {
   // Keeps, per (batch, KV head), the entries at `index` [B, Hkv, M] (int64, in increasing order): in place, or
   // by gather when the entries require grad.
   void retain(std::int64_t layer, const at::Tensor& index);
+  // As retain, but only where `live` [B, Hkv, M] (bool) is true: the other slots become padding.
+  void retain(std::int64_t layer, const at::Tensor& index, const at::Tensor& live);
+  // Whether some head of `layer` holds padding slots (its queries must then be masked by position).
+  bool padded(std::int64_t layer) const { return layers_.at(layer).padded; }
+  // Entries per (batch, KV head) of `layer` that are not padding, [B, Hkv] int64.
+  at::Tensor live_entries(std::int64_t layer) const;
 
   at::Tensor keys(std::int64_t layer) const;       // [B, Hkv, N, D]
   at::Tensor values(std::int64_t layer) const;     // [B, Hkv, N, D]
@@ -29,13 +41,14 @@ class KVCache {
   // Position the next token will take (tokens seen so far, evicted or not).
   std::int64_t next_position() const { return next_position_; }
   void advance(std::int64_t tokens) { next_position_ += tokens; }
-  // Bytes held by live entries (keys + values), summed over layers.
+  // Bytes held by live entries (keys + values, padding slots left out), summed over layers.
   std::int64_t live_bytes() const;
 
  private:
   struct Layer {
     at::Tensor k, v, pos;  // capacity-sized buffers; the first `length` entries along dim 2 are live
     std::int64_t length = 0;
+    bool padded = false;
   };
   std::vector<Layer> layers_;
   std::int64_t next_position_ = 0;

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "base/errors.h"
+
 namespace kvbound {
 
 at::Tensor evicted_index(const at::Tensor& keep, std::int64_t n) {
@@ -52,9 +54,13 @@ std::int64_t MemoryAugmentedCache::peak_bytes() const {
 }
 
 BudgetedHook::BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer,
-                           std::vector<std::int64_t> budgeted_layers, std::vector<std::int64_t> layer_budgets)
-    : budgeted_(policy, budget, buffer, std::move(budgeted_layers), std::move(layer_budgets)) {
-  if (policy.memory()) memory_ = std::make_unique<MemoryAugmentedCache>(budgeted_, policy.memory());
+                           std::vector<std::int64_t> budgeted_layers, std::vector<std::int64_t> layer_budgets,
+                           BudgetScope scope)
+    : budgeted_(policy, budget, buffer, std::move(budgeted_layers), std::move(layer_budgets), scope) {
+  if (!policy.memory()) return;
+  if (scope != BudgetScope::Head)
+    fail("config", "eval.budget_scope", "a +mem policy writes what each head evicts; a pooled budget (layer, model) is not built for it");
+  memory_ = std::make_unique<MemoryAugmentedCache>(budgeted_, policy.memory());
 }
 
 }  // namespace kvbound

@@ -59,8 +59,10 @@ class MemoryAugmentedCache final : public AttentionHook {
 class BudgetedHook {
  public:
   // `budgeted_layers`, `layer_budgets`: as BudgetedCache's `layers` (empty: every layer) and `layer_budgets`.
+  // `scope`: as BudgetedCache's; a pooled one takes no latent memory.
   BudgetedHook(EvictionPolicy& policy, std::int64_t budget, std::int64_t buffer = 0,
-               std::vector<std::int64_t> budgeted_layers = {}, std::vector<std::int64_t> layer_budgets = {});
+               std::vector<std::int64_t> budgeted_layers = {}, std::vector<std::int64_t> layer_budgets = {},
+               BudgetScope scope = BudgetScope::Head);
   BudgetedHook(const BudgetedHook&) = delete;
   BudgetedHook& operator=(const BudgetedHook&) = delete;
 

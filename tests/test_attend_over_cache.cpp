@@ -1,13 +1,15 @@
 // attend_over_cache, the backbone's one attention path: the row logsumexp it hands a hook that asks for it, with
-// a gradient when its inputs carry one.
+// a gradient when its inputs carry one; a layer whose heads hold different numbers of entries (padding slots).
 // In kvbound_device_tests so the GPU machine runs the CUDA branch too (scripts/gpu_check.sh).
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
@@ -288,6 +290,53 @@ TEST(AttendOverCache, BFloat16ChunksWithoutAmxTakeVdpbf16psElseTheSgemmKernel) {
     }
     cache.advance(T);
     start += T;
+  }
+}
+
+// A pooled budget leaves the heads of a layer with different numbers of entries (KVCache::retain with `live`): the
+// padding slots are never attended and the others are, for each query as if its head held only its own entries
+// (float64 reference per head), in float32 and bfloat16, with and without the logsumexp.
+TEST(AttendOverCache, PaddingSlotsAreNeverAttended) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (const bool wants_lse : {false, true}) {
+      const auto opts = at::TensorOptions().dtype(dtype);
+      KVCache cache(1);
+      AttentionCall first;
+      first.q = at::randn({1, 6, 10, 16}, opts);
+      first.k = at::randn({1, 2, 10, 16}, opts);
+      first.v = at::randn({1, 2, 10, 16}, opts);
+      first.positions = at::arange(0, 10, at::kLong);
+      attend_over_cache(first, cache, nullptr);
+      cache.advance(10);
+      // Head 0 keeps 7 entries, head 1 keeps 3 (then 4 padding slots).
+      const at::Tensor index = at::tensor({0, 1, 2, 4, 6, 8, 9, 3, 5, 9, 0, 0, 0, 0}, at::kLong).view({1, 2, 7});
+      const at::Tensor live = at::arange(7, at::kLong).view({1, 1, 7}) < at::tensor({7, 3}, at::kLong).view({1, 2, 1});
+      cache.retain(0, index, live);
+      ASSERT_TRUE(cache.padded(0));
+      EXPECT_TRUE(at::equal(cache.live_entries(0), at::tensor({7, 3}, at::kLong).view({1, 2})));
+      const at::Tensor kept_k = cache.keys(0).clone(), kept_v = cache.values(0).clone();
+      AttentionCall call;
+      call.q = at::randn({1, 6, 3, 16}, opts);
+      call.k = at::randn({1, 2, 3, 16}, opts);
+      call.v = at::randn({1, 2, 3, 16}, opts);
+      call.positions = at::arange(10, 13, at::kLong);
+      call.wants_logsumexp = wants_lse;
+      attend_over_cache(call, cache, nullptr);
+      const std::string where = std::string(c10::toString(dtype)) + (wants_lse ? " with lse" : "");
+      for (std::int64_t h = 0; h < 6; ++h) {
+        const std::int64_t g = h / 3, kept = g == 0 ? 7 : 3;
+        const at::Tensor keys = at::cat({kept_k[0][g].narrow(0, 0, kept), call.k[0][g]}).to(at::kDouble);
+        const at::Tensor values = at::cat({kept_v[0][g].narrow(0, 0, kept), call.v[0][g]}).to(at::kDouble);
+        at::Tensor scores = at::matmul(call.q[0][h].to(at::kDouble), keys.t()) / 4.0;  // [3, kept + 3]
+        for (std::int64_t t = 0; t < 3; ++t) scores[t].narrow(0, kept + t + 1, 2 - t).fill_(-INFINITY);
+        const at::Tensor expected = at::matmul(at::softmax(scores, -1), values);
+        const double tol = dtype == at::kFloat ? 1e-5 : 3e-2;
+        EXPECT_LE(max_abs_diff(call.output[0][h].to(at::kDouble), expected), tol) << where << " head " << h;
+        if (wants_lse)
+          EXPECT_LE(max_abs_diff(call.logsumexp[0][h].squeeze(-1).to(at::kDouble), at::logsumexp(scores, -1)), tol)
+              << where << " head " << h;
+      }
+    }
   }
 }
 

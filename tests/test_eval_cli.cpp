@@ -95,6 +95,8 @@ TEST_F(EvalCli, UnknownKeyNamesTheClosestOne) {
   EXPECT_NE(err.find("lru: unknown policy"), std::string::npos) << err;
   EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.policies=[full,h2o,full]", &out, &err), 0);
   EXPECT_NE(err.find("eval.policies: 'full' is listed twice"), std::string::npos) << err;
+  EXPECT_NE(run((dir_ / "eval.yaml").string() + " --set eval.budget_scope=global", &out, &err), 0);
+  EXPECT_NE(err.find("eval.budget_scope: 'global' (head, layer, model)"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(dir_ / "runs"));
 }
 

@@ -5,6 +5,7 @@
 #include <ATen/ops/log.h>
 #include <ATen/ops/expm1.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/fmod.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/avg_pool1d.h>
 #include <ATen/ops/cat.h>
@@ -15,8 +16,10 @@
 #include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "base/errors.h"
@@ -140,6 +143,59 @@ TEST_P(EveryPolicy, EachLayerIsCutToItsOwnBudget) {
     if (!policy->bounded()) EXPECT_EQ(cache.size(l), T) << l;
     else if (policy->pre_evicts()) EXPECT_EQ(cache.size(l), budget + 1) << l;  // cut before the last token's attention
     else EXPECT_EQ(cache.size(l), budget) << l;
+  }
+}
+
+// Every head's live entries of every layer, in position order (padding slots, wherever a later chunk's append left
+// them, skipped); their total.
+std::int64_t check_live_entries(const KVCache& cache) {
+  std::int64_t total = 0;
+  for (std::int64_t l = 0; l < cache.num_layers(); ++l) {
+    const at::Tensor pos = cache.positions(l)[0];
+    for (std::int64_t h = 0; h < pos.size(0); ++h) {
+      const at::Tensor kept = pos[h].masked_select(pos[h] != kPaddingPosition);
+      const std::int64_t n = kept.size(0);
+      if (n > 1) EXPECT_TRUE((kept.narrow(0, 1, n - 1) > kept.narrow(0, 0, n - 1)).all().item<bool>()) << "layer " << l;
+      total += n;
+    }
+  }
+  return total;
+}
+
+// eval.budget_scope layer and model: after every chunk each layer's KV heads together hold at most Hkv·M entries
+// (layer; a pre-evicting policy Hkv·M plus the chunk) or every head of every layer L·Hkv·M (model), each head's in
+// position order; the logits stay finite. A +mem policy is refused with one line, as is the
+// model scope for a pre-evicting policy.
+TEST_P(EveryPolicy, PooledScopesHoldTheSharedBudget) {
+  const test::TinyModel& f = tiny_model();
+  const std::int64_t L = f.model->config().num_layers, Hkv = f.model->config().num_kv_heads, M = 6, T = f.tokens.size(1);
+  for (const BudgetScope scope : {BudgetScope::Layer, BudgetScope::Model}) {
+    auto policy = matrix_policy(GetParam(), 1);
+    if (policy->memory() || (scope == BudgetScope::Model && policy->pre_evicts())) {
+      EXPECT_THROW(BudgetedHook(*policy, M, 0, {}, {}, scope), kvbound::Error);
+      continue;
+    }
+    BudgetedHook hook(*policy, M, 0, {}, {}, scope);
+    KVCache cache = f.model->make_cache();
+    std::int64_t seen = 0;
+    for (std::int64_t s = 0; s < T; s += s < 30 ? 5 : 1) {
+      const std::int64_t chunk = s < 30 ? 5 : 1;
+      const at::Tensor logits = f.model->forward(f.tokens.narrow(1, s, chunk), cache, hook.get());
+      ASSERT_TRUE(logits.isfinite().all().item<bool>()) << "position " << s;
+      seen += chunk;
+      const std::int64_t total = check_live_entries(cache);
+      if (!policy->bounded()) {
+        EXPECT_EQ(total, L * Hkv * seen);
+      } else if (scope == BudgetScope::Model) {
+        EXPECT_EQ(total, std::min(L * Hkv * M, L * Hkv * seen)) << "position " << s;
+      } else {
+        for (std::int64_t l = 0; l < L; ++l) {
+          const std::int64_t held = cache.live_entries(l).sum().item<std::int64_t>();
+          if (policy->pre_evicts()) EXPECT_LE(held, Hkv * (M + chunk)) << "layer " << l << " position " << s;
+          else EXPECT_EQ(held, std::min(Hkv * M, Hkv * seen)) << "layer " << l << " position " << s;
+        }
+      }
+    }
   }
 }
 
@@ -413,6 +469,18 @@ TEST(PolicyScores, TrimKVOptionsScoreAsTheOfficialCache) {
 
 // trimkv.cut: the official cache cuts a layer that reaches M + buffer entries, kvbound's default one that
 // exceeds it; decoding token by token, the cache so peaks at M + buffer or M + buffer + 1 entries.
+// trimkv.budget_scope is the scope the eval serves trimkv under by default (eval.budget_scope policy); trimkv+mem
+// is served per head, the memory writing what each head evicts; every other policy is served per head.
+TEST(PolicyScores, TrimKVBudgetScopeIsItsOwnUnlessItCarriesAMemory) {
+  const TrainedModules modules = test::tiny_learned_modules(open_memory());
+  EXPECT_EQ(make_policy("trimkv", policy_config(), modules)->budget_scope(), BudgetScope::Head);
+  EXPECT_EQ(make_policy("trimkv", policy_config({"trimkv.budget_scope=model"}), modules)->budget_scope(), BudgetScope::Model);
+  EXPECT_EQ(make_policy("trimkv", policy_config({"trimkv.budget_scope=layer"}), modules)->budget_scope(), BudgetScope::Layer);
+  EXPECT_EQ(make_policy("trimkv+mem", policy_config({"trimkv.budget_scope=model"}), modules)->budget_scope(), BudgetScope::Head);
+  EXPECT_EQ(make_policy("h2o", policy_config({"trimkv.budget_scope=model"}), modules)->budget_scope(), BudgetScope::Head);
+  EXPECT_THROW(make_policy("trimkv", policy_config({"trimkv.budget_scope=all"}), modules), kvbound::Error);
+}
+
 TEST(PolicyScores, TrimKVCutReachesHoldsOneEntryLessThanExceeds) {
   KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
   const test::TinyModel& f = tiny_model();
@@ -440,6 +508,113 @@ TEST(BudgetedCacheEngine, ApportionBudgetSplitsLTimesMInProportion) {
   EXPECT_EQ(b, (std::vector<std::int64_t>{1 + 30, 1 + 188, 1 + 109, 1 + 69}));  // 396 spare: 29.7, 188.1, 108.9, 69.3
   EXPECT_THROW(apportion_budget(8, {1.0, 0.0}), kvbound::Error);
   EXPECT_THROW(apportion_budget(8, {1.0, std::nan("")}), kvbound::Error);
+}
+
+// A test policy whose scores differ by head and by layer, all distinct: (pos mod 7) + 0.37·head + 0.11·layer + pos/1000.
+class ScoredByHeadAndLayer final : public EvictionPolicy {
+ public:
+  static at::Tensor scores(std::int64_t layer, const at::Tensor& positions) {
+    const at::Tensor pos = positions.to(at::kDouble);
+    const at::Tensor head = at::arange(positions.size(1), at::kDouble).view({1, -1, 1});
+    return (at::fmod(pos, 7) + 0.37 * head + 0.11 * static_cast<double>(layer) + pos / 1000).to(at::kFloat);
+  }
+  at::Tensor score(const PolicyView& v) override { return scores(v.layer, v.cache->positions(v.layer)); }
+};
+
+// The positions each head keeps when the top K scores over `layers`' live entries are kept, [layer][head].
+std::vector<std::vector<std::vector<std::int64_t>>> pooled_top(const KVCache& cache, const std::vector<std::int64_t>& layers,
+                                                               std::int64_t K) {
+  std::vector<std::tuple<float, std::int64_t, std::int64_t, std::int64_t>> entries;  // score, layer, head, position
+  for (const std::int64_t l : layers) {
+    const at::Tensor pos = cache.positions(l), sc = ScoredByHeadAndLayer::scores(l, pos);
+    for (std::int64_t h = 0; h < pos.size(1); ++h)
+      for (std::int64_t i = 0; i < pos.size(2); ++i)
+        if (pos[0][h][i].item<std::int64_t>() != kPaddingPosition)
+          entries.emplace_back(sc[0][h][i].item<float>(), l, h, pos[0][h][i].item<std::int64_t>());
+  }
+  std::sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return std::get<0>(a) > std::get<0>(b); });
+  std::vector<std::vector<std::vector<std::int64_t>>> kept(static_cast<std::size_t>(cache.num_layers()));
+  for (auto& heads : kept) heads.resize(static_cast<std::size_t>(cache.positions(layers.front()).size(1)));
+  for (std::size_t i = 0; i < entries.size() && static_cast<std::int64_t>(i) < K; ++i)
+    kept[static_cast<std::size_t>(std::get<1>(entries[i]))][static_cast<std::size_t>(std::get<2>(entries[i]))].push_back(std::get<3>(entries[i]));
+  for (auto& heads : kept)
+    for (auto& positions : heads) std::sort(positions.begin(), positions.end());
+  return kept;
+}
+
+std::vector<std::int64_t> live_positions(const KVCache& cache, std::int64_t layer, std::int64_t head) {
+  const at::Tensor pos = cache.positions(layer)[0][head];
+  std::vector<std::int64_t> out;
+  for (std::int64_t i = 0; i < pos.size(0); ++i)
+    if (pos[i].item<std::int64_t>() != kPaddingPosition) out.push_back(pos[i].item<std::int64_t>());
+  return out;
+}
+
+// A pooled cut keeps the top scores over every head it pools (brute force over the live entries just before the cut):
+// under `layer` at each layer's cut, Hkv·M over the layer's heads; under `model`, after the last layer's attention,
+// L·Hkv·M over every layer's heads. The heads' shares differ, so padding appears.
+TEST(BudgetedCacheEngine, PooledCutKeepsTheTopScoresOverThePooledHeads) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const test::TinyModel& f = tiny_model();
+  const std::int64_t L = f.model->config().num_layers, Hkv = f.model->config().num_kv_heads, M = 5;
+  ASSERT_GE(Hkv, 2);
+  for (const BudgetScope scope : {BudgetScope::Layer, BudgetScope::Model}) {
+    ScoredByHeadAndLayer policy;
+    BudgetedCache budgeted(policy, M, 0, {}, {}, scope);
+    struct CheckCut : AttentionHook {
+      BudgetedCache* inner;
+      BudgetScope scope;
+      std::int64_t L, Hkv, M, cuts = 0;
+      bool padded = false;
+      void after_attention(AttentionCall& call, KVCache& cache) override {
+        const bool layer_cut = scope == BudgetScope::Layer && cache.live_entries(call.layer).sum().item<std::int64_t>() > Hkv * M;
+        std::int64_t held = 0;
+        for (std::int64_t l = 0; l <= call.layer; ++l) held += cache.live_entries(l).sum().item<std::int64_t>();
+        const bool model_cut = scope == BudgetScope::Model && call.layer == L - 1 && held > L * Hkv * M;
+        std::vector<std::int64_t> pooled;
+        if (layer_cut) pooled = {call.layer};
+        if (model_cut)
+          for (std::int64_t l = 0; l < L; ++l) pooled.push_back(l);
+        const auto expected = pooled.empty() ? decltype(pooled_top(cache, {0}, 0)){} : pooled_top(cache, pooled, static_cast<std::int64_t>(pooled.size()) * Hkv * M);
+        inner->after_attention(call, cache);
+        for (const std::int64_t l : pooled) {
+          ++cuts;
+          padded = padded || cache.padded(l);
+          for (std::int64_t h = 0; h < Hkv; ++h)
+            EXPECT_EQ(live_positions(cache, l, h), expected[static_cast<std::size_t>(l)][static_cast<std::size_t>(h)])
+                << "layer " << l << " head " << h;
+        }
+      }
+    } check;
+    check.inner = &budgeted;
+    check.scope = scope;
+    check.L = L;
+    check.Hkv = Hkv;
+    check.M = M;
+    KVCache cache = f.model->make_cache();
+    for (std::int64_t s = 0; s < 40; s += 4) f.model->forward(f.tokens.narrow(1, s, 4), cache, &check);
+    EXPECT_GT(check.cuts, 0);
+    EXPECT_TRUE(check.padded);
+  }
+}
+
+// streaming_llm scores a position alike in every head and layer, so pooling changes nothing: each head keeps the
+// newest M as under `head`, and the logits are the head scope's exactly.
+TEST(BudgetedCacheEngine, PooledScopeOfAHeadUniformScoreIsTheHeadScope) {
+  KVBOUND_REQUIRE_FILE(test::test_data("tiny/llama_tied/logits.f32"));
+  const test::TinyModel& f = tiny_model();
+  auto logits = [&](BudgetScope scope) {
+    auto policy = make_policy("streaming_llm", policy_config(), {});
+    BudgetedCache budgeted(*policy, 6, 0, {}, {}, scope);
+    KVCache cache = f.model->make_cache();
+    std::vector<at::Tensor> out;
+    for (std::int64_t s = 0; s < 30; s += 5) out.push_back(f.model->forward(f.tokens.narrow(1, s, 5), cache, &budgeted));
+    for (std::int64_t t = 30; t < f.tokens.size(1); ++t) out.push_back(f.model->forward(f.tokens.narrow(1, t, 1), cache, &budgeted));
+    return at::cat(out, 1);
+  };
+  const at::Tensor head = logits(BudgetScope::Head);
+  EXPECT_TRUE(at::equal(logits(BudgetScope::Layer), head));
+  EXPECT_TRUE(at::equal(logits(BudgetScope::Model), head));
 }
 
 TEST(BudgetedCacheEngine, FullThroughTheEngineEqualsOnePlainForwardForAnyChunkSize) {

@@ -20,6 +20,8 @@
 // trimkv.gated_read changes how the kept entries are read rather than which are kept: each query's logit of entry i
 // gets (pos_q − pos_i)·log β_i added, the retention-gated attention the gates were trained under (the official
 // package's rg_attn_flex with kv_positions), instead of plain attention over what is left.
+// trimkv.budget_scope model is the official DynamicBudgetTrimKVCache (without its min_tokens_per_head): the scores
+// are log retention weights in every layer and head alike, so one top-L·Hkv·M over all of them is meaningful.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/exp.h>
 #include <ATen/ops/expm1.h>
@@ -32,6 +34,7 @@
 #include <limits>
 
 #include "base/errors.h"
+#include "modules/budgeted_cache.h"
 #include "modules/policies/registry.h"
 #include "modules/policies/policy_state.h"
 #include "modules/retention_gate.h"
@@ -47,6 +50,7 @@ struct TrimKVOptions {
   std::int64_t sinks = 0;
   double attention_weight = 0;
   bool gated_read = false;
+  BudgetScope budget_scope = BudgetScope::Head;
 };
 
 TrimKVOptions trimkv_options(const Config& c) {
@@ -63,6 +67,7 @@ TrimKVOptions trimkv_options(const Config& c) {
   if (o.sinks < 0) fail("config", "trimkv.sinks", "must be >= 0");
   o.attention_weight = read_attention_weight(c, "trimkv.attention_weight");
   o.gated_read = c.get_bool("trimkv.gated_read");
+  o.budget_scope = parse_budget_scope(c.get_string("trimkv.budget_scope"), "trimkv.budget_scope");
   return o;
 }
 
@@ -81,6 +86,9 @@ class TrimKV final : public EvictionPolicy {
   }
 
   bool needs_attention() const override { return options_.attention_weight > 0; }
+
+  // A +mem policy writes what each head evicts, which a pooled budget does not give it: it is served per head.
+  BudgetScope budget_scope() const override { return memory() ? BudgetScope::Head : options_.budget_scope; }
 
   at::Tensor read_log_decay(const PolicyView& v) override {
     if (!options_.gated_read) return {};
@@ -158,6 +166,10 @@ extern const PolicyRegistration trimkv{
           .add("trimkv.attention_weight", ConfigType::Float, "0",
                "trimkv policy: add this times log(mean received attention), h2o's statistic, to the keep-score (0: off; "
                "kvbound's rule, not the official cache's)")
+          .add("trimkv.budget_scope", ConfigType::String, "head",
+               "trimkv policy: what M bounds unless eval.budget_scope names it for every policy: head (M per layer and KV "
+               "head), layer (a layer's heads share Hkv*M) or model (every head shares L*Hkv*M, the official "
+               "DynamicBudgetTrimKVCache); trimkv+mem is served per head")
           .add("trimkv.gated_read", ConfigType::Bool, "false",
                "trimkv policy: read the kept entries as in training, each query's logit of entry i plus (pos_q - pos_i)·log β_i "
                "(the official rg_attn_flex with kv_positions; false: plain attention)");
