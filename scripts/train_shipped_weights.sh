@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Retrain every shipped SmolLM2 weight file (assets/weights/) from its config, in dependency order: prepare the
-# IndexMem training data, train and export the TRIM-KV gates, the memory under them, the IndexMem indexer and the
-# memory under it, each export bf16 and picked at its best validation eval. assets/README.md has each step's time
-# here at 2 threads; summed, about 1 h 15 min. Extra arguments go to every `kvbound train`, e.g.
+# IndexMem training data, train and export the TRIM-KV gates, the gates for the model-wide budget, the memory under
+# the first, the IndexMem indexer and the memory under it, each export bf16 and picked at its best validation eval.
+# assets/README.md has each step's time here at 2 threads; summed, about 2 h. Extra arguments go to every `kvbound train`, e.g.
 # `--set model.threads=2`; tests/CMakeLists.txt's scripts.train_shipped_weights_smoke passes 2 updates on short
 # rows for a smoke run of the whole chain (about 20 s here).
 # Everything lands in OUT_DIR (default runs/shipped_weights), never in assets/: the prepared IndexMem training
@@ -33,6 +33,7 @@ step() {  # name config export_file [train overrides...]
   "$build"/kvbound export "$out/$name" --best --dtype bfloat16 --out "$out/$file"
 }
 step trimkv configs/trimkv/smollm2.yaml smollm2_trimkv_gates.safetensors "$@"
+step trimkv_model_budget configs/trimkv/smollm2_global.yaml smollm2_trimkv_model_budget_gates.safetensors "$@"
 step trimkv_memory configs/indexmem/smollm2_trimkv_memory.yaml smollm2_trimkv_memory.safetensors \
   --set train.init_from="$out/smollm2_trimkv_gates.safetensors" "$@"
 step indexmem_stage1 configs/indexmem/smollm2_stage1.yaml smollm2_indexmem_indexer.safetensors \
