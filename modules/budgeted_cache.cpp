@@ -135,7 +135,9 @@ void BudgetedCache::after_attention_pooled(const PolicyView& view, KVCache& cach
   const at::Tensor live = cache.live_entries(layer);
   peak_entries_ = std::max(peak_entries_, live.max().item<std::int64_t>());
   if (scope_ == BudgetScope::Model) {
-    peak_live_bytes_ = std::max(peak_live_bytes_, cache.live_bytes());
+    // The whole cache is fullest after the last layer's attention, every layer then holding the chunk: counted
+    // once per chunk there, not over every layer after each one.
+    if (layer == cache.num_layers() - 1) peak_live_bytes_ = std::max(peak_live_bytes_, cache.live_bytes());
   } else {
     const at::Tensor k = cache.keys(layer);
     if (static_cast<std::size_t>(layer) >= layer_peak_bytes_.size()) layer_peak_bytes_.resize(static_cast<std::size_t>(layer) + 1, 0);
